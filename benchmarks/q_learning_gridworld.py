@@ -1,0 +1,81 @@
+"""Speed of q_learning_gridworld.py against the seed-style yardstick, side by side.
+
+    python benchmarks/q_learning_gridworld.py            # from the repository root
+    python benchmarks/q_learning_gridworld.py --repeats 5 --timesteps 1000000
+
+Both train ONE agent on the default 8x12 map for the same number of steps, compile
+excluded. The yardstick (../shared/baselines/seed_style_q_learning.py, the way the reference
+articles write it) runs in its own process and prints its own steps/s; ours is
+`jax.jit(make_train(config))` timed here. The two alternate, `--repeats` times each, so that
+a busy machine slows both alike; the medians and their ratio are printed. Absolute numbers
+depend on the machine; the ratio is the figure to quote.
+"""
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import jax  # noqa: E402
+
+import q_learning_gridworld as qlg  # noqa: E402
+
+YARDSTICK = REPO / ".." / "shared" / "baselines" / "seed_style_q_learning.py"
+RUNS_PER_REPEAT = 5  # timed calls of our compiled train per repeat (it takes ~0.05 s)
+
+
+def yardstick_steps_per_s(timesteps: int) -> float:
+    result = subprocess.run(
+        [sys.executable, str(YARDSTICK), "--timesteps", str(timesteps)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(re.search(r"steps_per_s=([0-9.]+)", result.stdout).group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--timesteps", type=int, default=1_000_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if not YARDSTICK.exists():
+        sys.exit(f"yardstick not found: {YARDSTICK}")
+
+    config = qlg.Config(total_timesteps=args.timesteps)
+    train = jax.jit(qlg.make_train(config))
+    key = jax.random.key(0)
+    start = time.perf_counter()
+    jax.block_until_ready(train(key))  # compile and warm up
+    print(f"ours: compile + first run {time.perf_counter() - start:.2f} s")
+
+    yardstick, ours = [], []
+    for repeat in range(args.repeats):
+        yardstick.append(yardstick_steps_per_s(args.timesteps))
+        for run in range(RUNS_PER_REPEAT):
+            run_key = jax.random.fold_in(key, repeat * RUNS_PER_REPEAT + run)
+            start = time.perf_counter()
+            jax.block_until_ready(train(run_key))
+            ours.append(args.timesteps / (time.perf_counter() - start))
+        print(
+            f"repeat {repeat + 1}/{args.repeats}: yardstick {yardstick[-1] / 1e6:.2f}M "
+            f"steps/s, ours {statistics.median(ours[-RUNS_PER_REPEAT:]) / 1e6:.1f}M steps/s"
+        )
+
+    slow, fast = statistics.median(yardstick), statistics.median(ours)
+    print(f"yardstick (seed_style_q_learning.py): {slow / 1e6:.2f}M steps/s (median)")
+    print(f"q_learning_gridworld.py, one agent:   {fast / 1e6:.2f}M steps/s (median)")
+    print(
+        f"ratio: {fast / slow:.0f}x  ({args.timesteps} steps, one agent, compile excluded, "
+        f"jax {jax.__version__}, {jax.devices()[0].device_kind})"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,552 @@
+"""Tests for q_learning_gridworld.py: environment, agent, optimality, sharding, command line.
+
+The optimality tests compare against value iteration written here, independently of the
+script (its own map parsing and moves), so a bug shared by both cannot hide.
+"""
+
+import json
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import q_learning_gridworld as qlg
+
+SCRIPT = Path(qlg.__file__)
+GAMMA = qlg.Config().gamma
+# Small runs for the tests that check mechanics rather than learning.
+SMALL = {"total_timesteps": 20_000, "steps_per_block": 1_000, "num_curve_points": 10}
+
+# A map the hyperparameters were never tuned on: random walls, fixed seed, built below.
+RANDOM_MAP_SEED = 7
+RANDOM_MAP_SHAPE = (9, 11)
+RANDOM_MAP_WALL_FRACTION = 0.3
+
+
+# ------------------------------------------------------------------------------------------
+# Reference: value iteration and breadth-first search, independent of the script
+# ------------------------------------------------------------------------------------------
+
+MOVES = {0: (0, 1), 1: (1, 0), 2: (0, -1), 3: (-1, 0)}  # right, down, left, up
+
+
+def reference_move(grid: list[str], row: int, col: int, action: int) -> tuple[int, int]:
+    r, c = row + MOVES[action][0], col + MOVES[action][1]
+    if 0 <= r < len(grid) and 0 <= c < len(grid[0]) and grid[r][c] != "#":
+        return r, c
+    return row, col
+
+
+def find(grid: list[str], char: str) -> tuple[int, int]:
+    return next((r, c) for r, line in enumerate(grid) for c, x in enumerate(line) if x == char)
+
+
+def reference_q_star(layout: str, gamma: float) -> np.ndarray:
+    """Q* [rows, cols, 4]: reward 1 on entering G, G terminal (V*(G) = 0), walls 0."""
+    grid = [line for line in layout.splitlines() if line]
+    rows, cols = len(grid), len(grid[0])
+    goal = find(grid, "G")
+    q = np.zeros((rows, cols, 4))
+    for _ in range(10_000):
+        v = q.max(axis=-1)
+        v[goal] = 0.0
+        new_q = np.zeros_like(q)
+        for r in range(rows):
+            for c in range(cols):
+                if grid[r][c] == "#" or (r, c) == goal:
+                    continue
+                for a in range(4):
+                    nr, nc = reference_move(grid, r, c, a)
+                    new_q[r, c, a] = 1.0 if (nr, nc) == goal else gamma * v[nr, nc]
+        if np.abs(new_q - q).max() < 1e-12:
+            return new_q
+        q = new_q
+    raise AssertionError("value iteration did not converge")
+
+
+def reference_shortest(layout: str) -> int | None:
+    grid = [line for line in layout.splitlines() if line]
+    start, goal = find(grid, "S"), find(grid, "G")
+    frontier, seen, steps = [start], {start}, 0
+    while frontier:
+        if goal in frontier:
+            return steps
+        frontier = [
+            n
+            for cell in frontier
+            for a in range(4)
+            if (n := reference_move(grid, *cell, a)) not in seen and not seen.add(n)
+        ]
+        steps += 1
+    return None
+
+
+def random_map() -> str:
+    """A random walled map (S and G far apart) where G is reachable from S."""
+    rng = np.random.default_rng(RANDOM_MAP_SEED)
+    rows, cols = RANDOM_MAP_SHAPE
+    while True:
+        walls = rng.random((rows, cols)) < RANDOM_MAP_WALL_FRACTION
+        grid = [["#" if w else "." for w in line] for line in walls]
+        grid[0][0], grid[rows - 1][cols - 1] = "S", "G"
+        layout = "\n".join("".join(line) for line in grid)
+        shortest = reference_shortest(layout)
+        if shortest is not None and shortest > rows + cols:  # a detour is needed
+            return layout
+
+
+def greedy_walk(q: np.ndarray, layout: str) -> int | None:
+    """Steps from S to G following argmax Q, or None if it never gets there."""
+    grid = [line for line in layout.splitlines() if line]
+    cell, goal = find(grid, "S"), find(grid, "G")
+    for step in range(1, q.shape[0] * q.shape[1] + 1):
+        cell = reference_move(grid, *cell, int(np.argmax(q[cell])))
+        if cell == goal:
+            return step
+    return None
+
+
+# ------------------------------------------------------------------------------------------
+# Environment
+# ------------------------------------------------------------------------------------------
+
+TINY = """
+S.#
+..G
+"""  # cells: 0 S, 1 ., 2 #, 3 ., 4 ., 5 G
+RIGHT, DOWN, LEFT, UP = 0, 1, 2, 3
+
+
+def test_layouts_match_the_spec():
+    for name, (rows, cols, shortest) in {
+        "default": (8, 12, 18),
+        "maze": (8, 12, 22),
+        "four_rooms": (13, 13, 20),
+    }.items():
+        env = qlg.GridWorld(qlg.LAYOUTS[name])
+        assert (env.rows, env.cols) == (rows, cols)
+        assert qlg.shortest_path_length(env.grid) == reference_shortest(qlg.LAYOUTS[name])
+        assert reference_shortest(qlg.LAYOUTS[name]) == shortest
+    env = qlg.GridWorld(qlg.LAYOUTS["default"])
+    assert (env.start, env.goal) == (7 * 12 + 11, 0)
+    assert not env.walls.any()
+
+
+def run_steps(env, actions):
+    obs, state = env.reset(jax.random.key(0))
+    out = []
+    for action in actions:
+        obs, state, reward, terminated, truncated, info = env.step(
+            jax.random.key(1), state, jnp.int32(action)
+        )
+        out.append(
+            (int(obs), int(state.time), float(reward), bool(terminated), bool(truncated),
+             int(info["final_observation"]))
+        )  # fmt: skip
+    return out
+
+
+def test_reset_starts_at_s():
+    obs, state = qlg.GridWorld(TINY).reset(jax.random.key(0))
+    assert int(obs) == 0 and int(state.cell) == 0 and int(state.time) == 0
+
+
+def test_walls_edges_reward_termination_and_auto_reset():
+    steps = run_steps(qlg.GridWorld(TINY), [UP, LEFT, RIGHT, RIGHT, DOWN, RIGHT, DOWN])
+    # (obs, time, reward, terminated, truncated, final_observation)
+    assert steps == [
+        (0, 1, 0.0, False, False, 0),  # up: off the grid, stay at S
+        (0, 2, 0.0, False, False, 0),  # left: off the grid, stay
+        (1, 3, 0.0, False, False, 1),  # right
+        (1, 4, 0.0, False, False, 1),  # right: wall, stay
+        (4, 5, 0.0, False, False, 4),  # down
+        (0, 0, 1.0, True, False, 5),  # right: enter G, reward, terminate, reset to S
+        (3, 1, 0.0, False, False, 3),  # a new episode from S
+    ]
+
+
+def test_truncation_resets_and_keeps_final_observation():
+    steps = run_steps(qlg.GridWorld(TINY, max_episode_steps=2), [RIGHT, DOWN, RIGHT])
+    assert steps[1] == (0, 0, 0.0, False, True, 4)  # time limit: back to S, true cell kept
+    assert steps[2] == (1, 1, 0.0, False, False, 1)
+    # Entering G on the last allowed step is a termination, not a truncation.
+    steps = run_steps(qlg.GridWorld(TINY, max_episode_steps=3), [RIGHT, DOWN, RIGHT])
+    assert steps[2] == (0, 0, 1.0, True, False, 5)
+
+
+def test_no_time_limit_by_default():
+    steps = run_steps(qlg.GridWorld(TINY), [UP] * 50)
+    assert not any(truncated for *_, truncated, _ in steps)
+    assert steps[-1][1] == 50
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        ("", "empty"),
+        ("\n\n  \n", "empty"),
+        ("....\n.G..\n....", "exactly one S"),
+        ("S...\n....", "exactly one G"),
+        ("S.S\n..G", "exactly one S (start), found 2"),
+        ("SGG", "exactly one G (goal), found 2"),
+        ("S..\n..\n..G", "row 1 has 2 characters"),
+        ("S.x\n..G", "unknown character 'x' at row 0 col 2"),
+        ("S.#..\n##.#G", "cannot be reached"),
+    ],
+)
+def test_bad_maps_raise_one_line(layout, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        qlg.parse_layout(layout)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        qlg.Config(layout=layout)
+
+
+def test_map_text_tolerates_blank_edges_and_trailing_spaces():
+    grid = qlg.parse_layout("\n\nS.  \n.G\n\n")
+    assert grid.shape == (2, 2)
+
+
+# ------------------------------------------------------------------------------------------
+# Agent
+# ------------------------------------------------------------------------------------------
+
+NUM_POLICY_SAMPLES = 200_000
+# 5 standard deviations of an empirical frequency near 1/4 from NUM_POLICY_SAMPLES draws.
+POLICY_TOLERANCE = 5 * np.sqrt(0.25 * 0.75 / NUM_POLICY_SAMPLES)
+
+
+@jax.jit
+def sample_actions(q_s, bits, threshold):  # compiled once for all the cases below
+    return jax.vmap(qlg.epsilon_greedy, in_axes=(None, 0, None))(q_s, bits, threshold)
+
+
+@pytest.mark.parametrize(
+    "q_s, epsilon",
+    [
+        ([1.0, 0.0, 1.0, 1.0], 0.3),  # three-way tie
+        ([0.0, 0.0, 0.0, 0.0], 0.0),  # untrained: greedy must still be uniform
+        ([0.5, 0.2, 0.5, 0.1], 0.1),
+        ([0.1, 0.9, 0.3, 0.2], 0.0),  # a unique maximum, no exploration
+        ([0.1, 0.9, 0.3, 0.2], 1.0),  # pure exploration
+    ],
+)
+def test_epsilon_greedy_matches_distrax(q_s, epsilon):
+    q_s = jnp.asarray(q_s, jnp.float32)
+    bits = jax.random.bits(jax.random.key(3), (NUM_POLICY_SAMPLES,), jnp.uint32)
+    actions = sample_actions(q_s, bits, qlg.explore_threshold(epsilon))
+    frequencies = np.bincount(np.asarray(actions), minlength=4) / NUM_POLICY_SAMPLES
+    with warnings.catch_warnings():  # distrax's TFP backend warns about a jax deprecation
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import distrax
+    expected = np.asarray(distrax.EpsilonGreedy(preferences=q_s, epsilon=epsilon).probs)
+    np.testing.assert_allclose(frequencies, expected, atol=POLICY_TOLERANCE)
+
+
+def test_terminal_step_does_not_bootstrap_but_truncated_one_does():
+    q = jnp.zeros((3, 4)).at[2].set(5.0)  # a large value at the next cell
+    kwargs = {"obs": 0, "action": 1, "reward": 1.0, "next_obs": 2, "learning_rate": 0.5}
+    terminal = qlg.q_learning_update(q, terminated=True, gamma=0.9, **kwargs)
+    assert float(terminal[0, 1]) == pytest.approx(0.5 * 1.0)
+    not_terminal = qlg.q_learning_update(q, terminated=False, gamma=0.9, **kwargs)
+    assert float(not_terminal[0, 1]) == pytest.approx(0.5 * (1.0 + 0.9 * 5.0))
+    assert np.count_nonzero(np.asarray(terminal) != np.asarray(q)) == 1  # one entry moves
+
+
+def test_update_uses_the_true_next_cell_not_the_reset_cell():
+    """On 'GS.' with one step per episode, uniformly random actions and learning rate 1:
+    left enters G (Q = 1); up and down stay at S and are truncated, so they bootstrap from
+    S itself (Q = gamma * 1); right reaches a cell never acted from (Q = 0). Bootstrapping
+    from the reset cell S would make Q(S, right) = gamma, from a terminal Q(S, left) > 1."""
+    config = qlg.Config(
+        layout="GS.", max_episode_steps=1, epsilon=1.0, learning_rate=1.0, initial_q=0.0, **SMALL
+    )
+    out = jax.jit(qlg.make_train(config))(jax.random.key(0))
+    q_start = np.asarray(out["q_values"])[0, 1]
+    np.testing.assert_allclose(q_start, [0.0, GAMMA, 1.0, GAMMA], rtol=1e-6)
+    # Every episode lasts one step; a quarter of them (left) reach G.
+    metrics = jax.tree.map(np.asarray, out["metrics"])
+    assert metrics["episodes"].sum() == config.total_timesteps
+    np.testing.assert_array_equal(metrics["mean_episode_length"], 1.0)
+    np.testing.assert_array_equal(metrics["episode_length"], 1)
+    assert 0.2 < metrics["mean_return"].mean() < 0.3
+
+
+# ------------------------------------------------------------------------------------------
+# train: purity, vmap, seeds, metrics
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_train():
+    return qlg.make_train(qlg.Config(**SMALL))
+
+
+@pytest.fixture(scope="module")
+def small_runs(small_train):
+    keys = jax.random.split(jax.random.key(42), 3)
+    batched = jax.jit(jax.vmap(small_train))(keys)
+    single = jax.jit(small_train)
+    return keys, batched, [single(key) for key in keys]
+
+
+def test_vmap_gives_what_single_key_gives(small_runs):
+    _, batched, singles = small_runs
+    for i, single in enumerate(singles):
+        jax.tree.map(
+            lambda b, s, i=i: np.testing.assert_allclose(np.asarray(b)[i], s, rtol=1e-6),
+            batched,
+            single,
+        )
+
+
+def test_seeds_are_independent(small_runs):
+    _, batched, _ = small_runs
+    lengths = np.asarray(batched["metrics"]["episode_length"])  # [seeds, episodes]
+    q = np.asarray(batched["q_values"])
+    for i in range(len(q)):
+        for j in range(i):
+            assert not np.array_equal(lengths[i], lengths[j])
+            assert not np.array_equal(q[i], q[j])
+
+
+def test_output_shapes_and_bounded_metrics(small_runs):
+    _, batched, _ = small_runs
+    assert batched["q_values"].shape == (3, 8, 12, 4)
+    assert batched["q_values"].dtype == jnp.float32
+    metrics = batched["metrics"]
+    assert metrics["episode_length"].shape == (3, qlg.Config().num_recorded_episodes)
+    for name in ("timestep", "episodes", "mean_episode_length", "mean_return"):
+        assert metrics[name].shape == (3, SMALL["num_curve_points"])
+    np.testing.assert_array_equal(
+        metrics["timestep"][0], np.arange(1, 11) * SMALL["total_timesteps"] // 10
+    )
+    # Every step belongs to an ended episode except those of the one still running.
+    ended_steps = np.nansum(metrics["episodes"] * metrics["mean_episode_length"], axis=1)
+    assert np.all(ended_steps <= SMALL["total_timesteps"])
+    assert np.all(ended_steps > SMALL["total_timesteps"] - 10_000)
+    recorded = np.asarray(metrics["episode_length"])
+    assert np.all(recorded[:, :10] >= 18)  # no episode is shorter than the shortest path
+
+
+def test_curve_points_are_bounded_whatever_the_run_length():
+    config = qlg.Config(total_timesteps=2_000, steps_per_block=100, num_curve_points=7)
+    train = qlg.make_train(config)
+    shapes = jax.eval_shape(train, jax.random.key(0))
+    assert shapes["metrics"]["mean_episode_length"].shape == (7,)
+    longer = qlg.make_train(
+        qlg.Config(total_timesteps=200_000_000, steps_per_block=100, num_curve_points=7)
+    )
+    assert jax.eval_shape(longer, jax.random.key(0))["metrics"]["episodes"].shape == (7,)
+    few_blocks = qlg.make_train(qlg.Config(total_timesteps=300, steps_per_block=100))
+    assert jax.eval_shape(few_blocks, jax.random.key(0))["metrics"]["episodes"].shape == (3,)
+
+
+# ------------------------------------------------------------------------------------------
+# Optimality against value iteration, with the default hyperparameters
+# ------------------------------------------------------------------------------------------
+
+NUM_OPTIMALITY_SEEDS = 4
+OPTIMALITY_MAPS = {
+    "default": qlg.LAYOUTS["default"],
+    "maze": qlg.LAYOUTS["maze"],
+    "four_rooms": qlg.LAYOUTS["four_rooms"],
+    "random_walls": random_map(),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMALITY_MAPS)
+def test_default_settings_learn_a_shortest_path(name):
+    layout = OPTIMALITY_MAPS[name]
+    train = qlg.make_train(qlg.Config(layout=layout))
+    keys = jax.random.split(jax.random.key(2024), NUM_OPTIMALITY_SEEDS)
+    q_values = np.asarray(jax.jit(jax.vmap(train))(keys)["q_values"])
+    q_star = reference_q_star(layout, GAMMA)
+    grid = [line for line in layout.splitlines() if line]
+    start = find(grid, "S")
+    shortest = reference_shortest(layout)
+    assert q_star[start].max() == pytest.approx(GAMMA ** (shortest - 1))
+    for q in q_values:
+        assert greedy_walk(q, layout) == shortest
+        assert q[start].max() == pytest.approx(q_star[start].max(), rel=0.05)
+        # From the optimistic start 1.0 with learning rate <= 1, every Q-value stays between
+        # Q* and 1 (a bootstrap from the terminal step would push it above 1).
+        assert np.all(q >= q_star - 1e-6) and np.all(q <= 1.0 + 1e-6)
+        # Along the greedy path every chosen action is optimal and its value close to V*.
+        cell = start
+        while grid[cell[0]][cell[1]] != "G":
+            action = int(np.argmax(q[cell]))
+            assert q_star[cell][action] == pytest.approx(q_star[cell].max())
+            assert q[cell][action] == pytest.approx(q_star[cell].max(), rel=0.05)
+            cell = reference_move(grid, *cell, action)
+
+
+@pytest.mark.parametrize("name", ["maze", "random_walls"])
+def test_uniform_exploration_learns_the_whole_table(name):
+    """Q-learning is off-policy: acting uniformly at random, every reachable (state, action)
+    is visited often, and the whole Q-table converges to Q*."""
+    layout = OPTIMALITY_MAPS[name]
+    train = qlg.make_train(qlg.Config(layout=layout, epsilon=1.0))
+    q = np.asarray(jax.jit(train)(jax.random.key(5))["q_values"])
+    q_star = reference_q_star(layout, GAMMA)
+    reachable = q_star.max(axis=-1) > 0  # [rows, cols]: not a wall, not G, connected to G
+    assert reachable.sum() > 40
+    np.testing.assert_allclose(q[reachable], q_star[reachable], rtol=0.05)
+
+
+# ------------------------------------------------------------------------------------------
+# Sharded multi-seed run (conftest shows the CPU as 2 devices)
+# ------------------------------------------------------------------------------------------
+
+
+def test_sharded_seeds_match_single_runs(small_train):
+    assert jax.device_count() == 2
+    config = qlg.Config(num_seeds=3, seed=11, **SMALL)
+    out, timings = qlg.train_seeds(config)
+    assert len(timings["devices"]) == 2
+    assert timings["padded_num_seeds"] == 4  # 3 seeds padded to a multiple of 2 devices
+    assert out["q_values"].shape == (3, 8, 12, 4)
+    assert timings["agent_steps_per_s"] > 0
+    single = jax.jit(small_train)
+    for i in range(3):
+        expected = single(jax.random.fold_in(jax.random.key(config.seed), i))
+        np.testing.assert_allclose(out["q_values"][i], expected["q_values"], rtol=1e-6)
+        np.testing.assert_array_equal(
+            out["metrics"]["episode_length"][i], expected["metrics"]["episode_length"]
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# Command line
+# ------------------------------------------------------------------------------------------
+
+
+def test_help_lists_every_config_field(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        qlg.parse_config(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for field in qlg.dataclasses.fields(qlg.Config):
+        assert "--" + field.name.replace("_", "-") in text
+    assert "(default: 1000000)" in text and "(default: default)" in text
+
+
+def test_layout_flag_reads_names_and_files(tmp_path):
+    path = tmp_path / "map.txt"
+    path.write_text("S.\n.G\n")
+    assert qlg.parse_config(["--layout", str(path)]).layout == "S.\n.G\n"
+    assert qlg.parse_config(["--layout", "maze"]).layout == qlg.LAYOUTS["maze"]
+    assert qlg.parse_config([]).layout == qlg.LAYOUTS["default"]
+
+
+BAD_MAPS = {
+    "no_start": ("....\n..G.\n", "exactly one S"),
+    "no_goal": ("S...\n....\n", "exactly one G"),
+    "two_starts": ("S.S\n..G\n", "exactly one S"),
+    "two_goals": ("S.G\n..G\n", "exactly one G"),
+    "ragged": ("S...\n..G\n", "row 1 has 3 characters"),
+    "unknown_char": ("S.o\n..G\n", "unknown character 'o'"),
+    "empty": ("", "empty"),
+    "unreachable": ("S#.\n##G\n", "cannot be reached"),
+}
+BAD_FLAGS = [
+    (["--layout", "no/such/file.txt"], "--layout"),
+    (["--total-timesteps", "0"], "--total-timesteps"),
+    (["--num-seeds", "0"], "--num-seeds"),
+    (["--num-seeds", "-3"], "--num-seeds"),
+    (["--num-seeds", "two"], "--num-seeds"),
+    (["--steps-per-block", "0"], "--steps-per-block"),
+    (["--num-curve-points", "0"], "--num-curve-points"),
+    (["--num-recorded-episodes", "0"], "--num-recorded-episodes"),
+    (["--max-episode-steps", "-1"], "--max-episode-steps"),
+    (["--total-timesteps", "1500", "--steps-per-block", "1000"], "multiple"),
+    (["--epsilon", "-0.1"], "--epsilon"),
+    (["--epsilon", "1.5"], "--epsilon"),
+    (["--gamma", "1.0"], "--gamma"),
+    (["--gamma", "-0.5"], "--gamma"),
+    (["--learning-rate", "0"], "--learning-rate"),
+    (["--learning-rate", "-0.1"], "--learning-rate"),
+    (["--learning-rate", "nan"], "--learning-rate"),
+    (["--initial-q", "inf"], "--initial-q"),
+    (["--no-such-flag", "1"], "--no-such-flag"),
+]
+
+
+def expect_one_line_error(capsys, tmp_path, argv, needle):
+    output_dir = tmp_path / "out"
+    before = sorted(tmp_path.iterdir())
+    with pytest.raises(SystemExit) as exit_info:
+        qlg.main([*argv, "--output-dir", str(output_dir)])
+    assert exit_info.value.code not in (0, None)
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], captured.err
+    assert sorted(tmp_path.iterdir()) == before  # nothing written
+
+
+@pytest.mark.parametrize("name", BAD_MAPS)
+def test_cli_rejects_bad_map_files(capsys, tmp_path, name):
+    text, needle = BAD_MAPS[name]
+    path = tmp_path / f"{name}.txt"
+    path.write_text(text)
+    expect_one_line_error(capsys, tmp_path, ["--layout", str(path)], needle)
+
+
+@pytest.mark.parametrize("argv, needle", BAD_FLAGS)
+def test_cli_rejects_bad_flags(capsys, tmp_path, argv, needle):
+    expect_one_line_error(capsys, tmp_path, argv, needle)
+
+
+def test_cli_rejects_an_output_dir_that_is_a_file(capsys, tmp_path):
+    path = tmp_path / "taken"
+    path.write_text("keep me")
+    with pytest.raises(SystemExit) as exit_info:
+        qlg.main(["--output-dir", str(path)])
+    assert exit_info.value.code != 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--output-dir" in lines[0]
+    assert path.read_text() == "keep me"
+
+
+def test_cli_process_bad_input_has_no_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--gamma", "1", "--output-dir", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert result.stdout == ""
+    assert result.stderr.strip().count("\n") == 0 and "--gamma" in result.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_happy_path_writes_summary_and_figure(tmp_path):
+    output_dir = tmp_path / "run"
+    argv = ["--num-seeds", "3", "--layout", "maze", "--output-dir", str(output_dir)]
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "agent-steps/s" in result.stdout and "compile" in result.stdout
+    summary = json.loads((output_dir / "summary.json").read_text())
+    for key in ("config", "versions", "devices", "wall_time_s", "compile_time_s"):
+        assert key in summary
+    assert summary["config"]["layout"] == qlg.LAYOUTS["maze"]
+    assert summary["versions"]["jax"] == jax.__version__
+    assert summary["agent_steps_per_s"] > 0
+    assert len(summary["seeds"]) == 3
+    for seed in summary["seeds"]:
+        assert seed["shortest_path_length"] == 22
+        assert seed["greedy_path_length"] == 22
+        assert seed["v_star_start"] == pytest.approx(GAMMA**21)
+        assert seed["v_start"] == pytest.approx(GAMMA**21, rel=0.05)
+    figure = output_dir / "q_learning_gridworld.png"
+    assert figure.stat().st_size > 10_000
