@@ -1,0 +1,332 @@
+"""Tests for parallel_q_learning.py: vmap/sharding equivalences, optimality against value
+iteration, list parsing, memory refusal, CLI errors and one small CLI run with --benchmark."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import parallel_q_learning as pq
+
+SCRIPT = Path(pq.__file__)
+
+# Tiny but real: 2 x 2 grid, 3 seeds (odd, so 2 devices need padding), 5 curve points.
+SMALL = pq.Config(
+    total_timesteps=3_000,
+    num_seeds=3,
+    num_curve_points=5,
+    learning_rates=(0.1, 0.5),
+    epsilons=(0.1, 0.3),
+    gammas=(0.9,),
+)
+
+
+def assert_results_equal(a: pq.TrainResult, b: pq.TrainResult) -> None:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def small():
+    """Compiled once for the module: one agent, seeds of one setting, and the whole grid."""
+    train = pq.make_train(SMALL)
+    grid = pq.hparam_grid(SMALL)
+    return {
+        "train": train,
+        "alone": jax.jit(train),
+        "over_seeds": jax.jit(jax.vmap(train, in_axes=(0, None))),
+        "sweep": pq.make_sweep(train),
+        "keys": jax.random.split(jax.random.key(7), SMALL.num_seeds),
+        "grid": pq.HParams(*(jnp.asarray(x) for x in grid)),
+    }
+
+
+def grid_point(grid: pq.HParams, g: int) -> pq.HParams:
+    return pq.HParams(*(x[g] for x in grid))
+
+
+# --- vmap and sharding -------------------------------------------------------------------------
+
+
+def test_vmap_over_seeds_equals_each_seed_alone(small):
+    hparams = grid_point(small["grid"], 1)
+    batched = small["over_seeds"](small["keys"], hparams)
+    for s in range(SMALL.num_seeds):
+        alone = small["alone"](small["keys"][s], hparams)
+        assert_results_equal(jax.tree.map(lambda x, s=s: x[s], batched), alone)
+
+
+def test_vmap_over_grid_and_seeds_equals_each_alone(small):
+    swept = small["sweep"](small["keys"], small["grid"])  # [grid, seeds, ...]
+    assert swept.q_table.shape == (4, SMALL.num_seeds, 8, 12, 4)
+    for g in range(4):
+        for s in range(SMALL.num_seeds):
+            alone = small["alone"](small["keys"][s], grid_point(small["grid"], g))
+            assert_results_equal(jax.tree.map(lambda x, g=g, s=s: x[g, s], swept), alone)
+
+
+def test_seeds_are_independent_and_hparams_matter(small):
+    swept = small["sweep"](small["keys"], small["grid"])
+    q = np.asarray(swept.q_table)
+    assert not np.array_equal(q[0, 0], q[0, 1]), "two seeds learned the same table"
+    assert not np.array_equal(q[0, 0], q[3, 0]), "two settings learned the same table"
+
+
+def test_sharded_over_two_devices_matches_one_device(small):
+    assert len(jax.devices()) == 2, "conftest should expose 2 CPU devices"
+    keys_two = pq.make_seed_keys(3, SMALL.num_seeds, pq.seed_mesh())
+    keys_one = pq.make_seed_keys(3, SMALL.num_seeds, pq.seed_mesh(jax.devices()[:1]))
+    assert keys_two.shape == (4,) and keys_one.shape == (3,)  # 3 seeds padded to 4 on 2 devices
+    assert len(keys_two.sharding.device_set) == 2
+    # Seed i's key does not depend on the padding or the device count.
+    expected = jax.random.key_data(jax.random.fold_in(jax.random.key(3), 2))
+    np.testing.assert_array_equal(jax.random.key_data(keys_two[2]), expected)
+    two = small["sweep"](keys_two, small["grid"])
+    assert len(two.q_table.sharding.device_set) == 2
+    one = small["sweep"](keys_one, small["grid"])
+    assert_results_equal(jax.tree.map(lambda x: x[:, : SMALL.num_seeds], two), one)
+
+
+@pytest.mark.parametrize("agents_per_chunk", [4, 0])  # 4: 1 seed x 4 grid points per chunk
+def test_device_sweep_in_chunks_equals_nested_vmap(small, agents_per_chunk):
+    mesh = pq.seed_mesh()
+    keys = pq.make_seed_keys(3, 5, mesh)  # 6 padded seeds: 3 per device, 3 chunks each
+    device_sweep = pq.make_device_sweep(small["train"], mesh, 4, agents_per_chunk)
+    result = device_sweep(keys, small["grid"])
+    assert result.q_table.shape == (4, 6, 8, 12, 4)
+    assert len(result.q_table.sharding.device_set) == 2
+    assert_results_equal(result, small["sweep"](keys, small["grid"]))
+    expected = (3, 4) if agents_per_chunk else (1, 12)  # (chunks, agents in a full chunk)
+    assert pq.device_chunks(5, mesh, 4, agents_per_chunk) == expected
+
+
+def test_memory_does_not_grow_with_total_timesteps():
+    key, hparams = jax.random.key(0), pq.HParams(0.1, 0.1, 0.9)
+    shapes = [
+        jax.eval_shape(pq.make_train(pq.Config(total_timesteps=t)), key, hparams)
+        for t in (100_000, 10**10)
+    ]
+    assert shapes[0] == shapes[1]
+    assert shapes[0].curve.episodes.shape == (pq.Config().num_curve_points,)
+
+
+# --- correctness against value iteration (written here, independently of the script) ----------
+
+
+def value_iteration_from_text(text: str, gamma: float):
+    """Q*[row, col, action] by value iteration straight from the map text, and S, G positions."""
+    rows = [line for line in text.strip("\n").split("\n")]
+    height, width = len(rows), len(rows[0])
+    find = {ch: (r, line.index(ch)) for r, line in enumerate(rows) for ch in "SG" if ch in line}
+    moves = [(0, 1), (1, 0), (0, -1), (-1, 0)]
+
+    def move(r, c, a):
+        r2, c2 = r + moves[a][0], c + moves[a][1]
+        if 0 <= r2 < height and 0 <= c2 < width and rows[r2][c2] != "#":
+            return r2, c2
+        return r, c
+
+    q = np.zeros((height, width, 4))
+    for _ in range(height * width + 1):
+        new_q = np.zeros_like(q)
+        for r in range(height):
+            for c in range(width):
+                for a in range(4):
+                    r2, c2 = move(r, c, a)
+                    goal = (r2, c2) == find["G"]
+                    new_q[r, c, a] = 1.0 if goal else gamma * q[r2, c2].max()
+        q = new_q
+    return q, find["S"], find["G"], move
+
+
+@pytest.mark.parametrize(("layout", "shortest"), [("default", 18), ("maze", 22)])
+def test_greedy_policy_is_optimal_at_good_settings(layout, shortest):
+    gamma = 0.9
+    config = pq.Config(
+        layout=layout, total_timesteps=150_000, num_seeds=8, num_curve_points=10,
+        learning_rates=(0.5,), epsilons=(0.3,), gammas=(gamma,),
+    )  # fmt: skip
+    keys = pq.make_seed_keys(config.seed, config.num_seeds, pq.seed_mesh())
+    hparams = pq.HParams(*(jnp.asarray(x) for x in pq.hparam_grid(config)))
+    result = pq.make_sweep(pq.make_train(config))(keys, hparams)
+    q_star, start, goal, move = value_iteration_from_text(pq.LAYOUTS[layout], gamma)
+    assert q_star[start].max() == pytest.approx(gamma ** (shortest - 1))
+    # The script's own value iteration agrees with this one.
+    env = pq.make_env(layout)
+    np.testing.assert_allclose(pq.value_iteration(env, gamma).reshape(q_star.shape), q_star)
+    for q in np.asarray(result.q_table[0]):  # [rows, cols, actions] per seed
+        cell, steps = start, 0
+        while cell != goal and steps <= shortest:
+            action = int(q[cell].argmax())
+            assert q_star[cell][action] == pytest.approx(q_star[cell].max()), (cell, action)
+            cell, steps = move(*cell, action), steps + 1
+        assert cell == goal and steps == shortest
+        assert q[start].max() == pytest.approx(q_star[start].max(), abs=1e-3)
+    assert np.all(np.asarray(result.curve.greedy_path_length[0, :, -1]) == shortest)
+
+
+def test_numpy_reference_loop_learns_the_same_values():
+    env = pq.make_env("default")
+    q = pq.numpy_q_learning(env, pq.HParams(0.5, 0.3, 0.9), steps=20_000, seed=0)
+    assert q[env.start].max() == pytest.approx(0.9**17, abs=1e-3)  # V*(S) = gamma^(18 - 1)
+
+
+def test_summary_checks_each_grid_point_against_value_iteration(small):
+    env = pq.make_env(SMALL.layout)
+    result = jax.tree.map(np.asarray, small["sweep"](small["keys"], small["grid"]))
+    rows = pq.summarize_grid(SMALL, env, result)
+    assert len(rows) == 4
+    for row in rows:
+        assert row["shortest_path"] == 18
+        assert row["value_iteration_start_value"] == pytest.approx(row["gamma"] ** 17, rel=1e-5)
+        lo, hi = row["greedy_path_length"]["ci95"]
+        assert lo <= row["greedy_path_length"]["mean"] <= hi
+        assert 0 <= row["greedy_path_optimal_fraction"] <= 1
+
+
+# --- environment and agent pieces ----------------------------------------------------------------
+
+
+def test_env_terminates_at_goal_truncates_and_resets():
+    env = pq.make_env("default", max_episode_steps=3)
+    one_left_of_goal = pq.EnvState(cell=jnp.int32(1), time=jnp.int32(0))
+    obs, state, reward, terminated, truncated, info = env.step(None, one_left_of_goal, 2)
+    assert (int(info["final_observation"]), float(reward), bool(terminated)) == (env.goal, 1, True)
+    assert int(obs) == env.start and int(state.time) == 0 and not bool(truncated)
+    state = pq.EnvState(cell=jnp.int32(env.start), time=jnp.int32(2))
+    obs, state, reward, terminated, truncated, info = env.step(None, state, 0)  # into the wall
+    assert int(info["final_observation"]) == env.start and bool(truncated)
+    assert not bool(terminated) and float(reward) == 0.0
+
+
+def test_epsilon_greedy_breaks_ties_uniformly_and_explores():
+    high = jnp.arange(1 << 16, dtype=jnp.uint32) << pq.LOW_BITS  # every value of the high field
+    q_s = jnp.array([0.0, 1.0, 0.0, 1.0])
+    pick = jax.vmap(pq.epsilon_greedy, in_axes=(None, 0, None))
+    greedy = np.bincount(np.asarray(pick(q_s, high, pq.epsilon_threshold(0.0))), minlength=4)
+    assert greedy[0] == greedy[2] == 0 and greedy[1] == greedy[3] == 1 << 15
+    explore = np.bincount(np.asarray(pick(q_s, high, pq.epsilon_threshold(1.0))), minlength=4)
+    np.testing.assert_array_equal(explore, [1 << 14] * 4)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("\n\n", "empty map"),
+        ("S..\n.G", "ragged rows: row 1"),
+        ("S.x\n..G", "'x' at row 0, col 2"),
+        ("...\n..G", "exactly one S"),
+        ("S.G\nG..", "exactly one G"),
+        ("S#.\n##G", "cannot be reached"),
+    ],
+)
+def test_bad_maps_are_refused(tmp_path, text, message):
+    path = tmp_path / "map.txt"
+    path.write_text(text)
+    with pytest.raises(pq.LayoutError, match=message):
+        pq.make_env(str(path))
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def test_parse_float_list():
+    assert pq.parse_float_list("0.05,0.1, 0.5") == (0.05, 0.1, 0.5)
+    for bad in ("", "0.1,,x", "0.1,x", "0.1,", "nan"):
+        with pytest.raises(pq.argparse.ArgumentTypeError):
+            pq.parse_float_list(bad)
+
+
+def test_memory_refusal_names_the_flag():
+    with pytest.raises(pq.ConfigError, match="--num-seeds: .* GB"):
+        pq.validate(pq.Config(num_seeds=10**9))
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--num-seeds", "0"], "--num-seeds"),
+        (["--total-timesteps", "-5"], "--total-timesteps"),
+        (["--learning-rates", "0.1,,x"], "--learning-rates"),
+        (["--learning-rates", ""], "--learning-rates"),
+        (["--learning-rates", "0.1,0"], "--learning-rates"),
+        (["--epsilons", "1.5"], "--epsilons"),
+        (["--gammas", "1.0"], "--gammas"),
+        (["--layout", "no_such_layout"], "--layout"),
+        (["--num-seeds", "1000000000"], "--num-seeds"),
+        (["--num-seeds", "many"], "--num-seeds"),
+        (["--no-such-flag"], "--no-such-flag"),
+        (["--benchmark-max-agents", "0"], "--benchmark-max-agents"),
+    ],
+)
+def test_cli_errors_are_one_line_and_write_nothing(tmp_path, capsys, argv, flag):
+    output = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        pq.main([*argv, "--output-dir", str(output)])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flag in err and "Traceback" not in err, err
+    assert not output.exists()
+
+
+def test_cli_refuses_bad_map_file_and_file_as_output_dir(tmp_path, capsys):
+    bad_map = tmp_path / "bad.txt"
+    bad_map.write_text("S..\n.G")
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    for argv, flag in (
+        (["--layout", str(bad_map), "--output-dir", str(tmp_path / "out")], "--layout"),
+        (["--output-dir", str(not_a_dir)], "--output-dir"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            pq.main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code != 0 and err.count("\n") == 1 and flag in err, err
+    assert not (tmp_path / "out").exists() and not_a_dir.read_text() == ""
+
+
+def test_cli_error_in_a_fresh_process_has_no_traceback(tmp_path):
+    output = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--epsilons", "0.1,-1", "--output-dir", str(output)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert done.stderr.strip().count("\n") == 0 and "--epsilons" in done.stderr, done.stderr
+    assert not output.exists()
+
+
+def test_cli_happy_path_with_tiny_benchmark(tmp_path):
+    output = tmp_path / "run"
+    argv = [
+        sys.executable, str(SCRIPT), "--output-dir", str(output), "--num-seeds", "3",
+        "--total-timesteps", "2000", "--learning-rates", "0.1,0.5", "--epsilons", "0.1",
+        "--benchmark", "--benchmark-max-agents", "4", "--benchmark-seconds", "0.02",
+        "--benchmark-repeats", "1", "--yardstick", "",
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "agent-steps/s" in done.stdout
+    summary = json.loads((output / "summary.json").read_text())
+    for key in ("config", "versions", "devices", "wall_time_s", "compile_time_s"):
+        assert key in summary
+    assert summary["agent_steps_per_s"] > 0 and len(summary["devices"]) == 2
+    assert [(r["learning_rate"], r["epsilon"]) for r in summary["grid"]] == [(0.1, 0.1), (0.5, 0.1)]
+    bench = json.loads((output / "benchmark.json").read_text())
+    methods = {(r["method"], r["devices"], r["agents"]) for r in bench["rows"]}
+    assert {
+        ("numpy loop", 1, 1),
+        ("jit, one agent", 1, 1),
+        ("vmap, chunks", 1, 4),
+        ("vmap, chunks", 2, 4),
+        ("vmap, all at once", 2, 4),
+    } <= methods
+    assert "skipped" in bench["yardstick"]
+    assert any("on 1 device" in name for name in bench["ratios"])
+    for name in ("sweep_heatmap.png", "learning_curves.png", "benchmark.png"):
+        assert (output / name).stat().st_size > 0
