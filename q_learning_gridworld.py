@@ -669,6 +669,32 @@ def train_seeds(config: Config) -> tuple[dict, dict]:
     return out, timings
 
 
+# Refuse, before compiling, a run whose arrays cannot fit: keep half the memory for XLA's
+# own buffers and everything else on the machine.
+MEMORY_FRACTION = 0.5
+
+
+def bytes_needed(config: Config) -> int:
+    """Rough device memory of a run: per seed, the Q-table (carry, loop double buffer and
+    output), one block of random words and the metrics."""
+    num_cells = parse_layout(config.layout).size
+    per_seed = 4 * (
+        3 * num_cells * NUM_ACTIONS
+        + config.steps_per_block
+        + config.num_recorded_episodes
+        + 4 * config.num_curve_points
+    )
+    return config.num_seeds * per_seed
+
+
+def bytes_available() -> int:
+    """Memory of all devices: GPU/TPU memory where reported, else the machine's RAM."""
+    stats = [device.memory_stats() or {} for device in jax.devices()]
+    if jax.default_backend() != "cpu" and all("bytes_limit" in s for s in stats):
+        return sum(s["bytes_limit"] for s in stats)
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse prints usage plus the error (two lines); we want one line and exit code 2."""
 
@@ -713,6 +739,12 @@ def parse_config(argv: list[str] | None = None) -> Config:
     output_dir = Path(config.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         parser.error(f"--output-dir {config.output_dir!r} exists and is not a directory")
+    needed, limit = bytes_needed(config), MEMORY_FRACTION * bytes_available()
+    if needed > limit:
+        parser.error(
+            f"--num-seeds {config.num_seeds} needs about {needed / 1e9:.1f} GB, more than "
+            f"{limit / 1e9:.1f} GB ({MEMORY_FRACTION:.0%} of the devices' memory); use fewer seeds"
+        )
     return config
 
 

@@ -475,6 +475,7 @@ BAD_FLAGS = [
     (["--learning-rate", "nan"], "--learning-rate"),
     (["--initial-q", "inf"], "--initial-q"),
     (["--no-such-flag", "1"], "--no-such-flag"),
+    (["--num-seeds", str(10**12)], "--num-seeds"),  # cannot fit in memory: refused up front
 ]
 
 
