@@ -1,0 +1,381 @@
+"""Tests for dqn_cartpole.py: environment parity, replay buffer, TD target, seeds,
+vmap == single key, learning, command line. Tiny configs; compiled functions are
+shared through module-scoped fixtures to keep the file fast."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import gymnasium
+import gymnax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dqn_cartpole as dqn
+
+TINY = dataclasses.replace(
+    dqn.Config(),
+    total_timesteps=1_000,
+    eval_every=500,
+    learning_starts=200,
+    buffer_size=256,
+    batch_size=16,
+    hidden_sizes=(16, 16),
+    train_frequency=2,
+    target_update_interval=100,
+    eval_episodes=2,
+    num_seeds=3,
+)
+
+
+def policy(obs: np.ndarray, rng: np.random.Generator, noise: float = 0.05) -> int:
+    """A balancing controller; with `noise` 1 a random policy (short episodes)."""
+    if rng.random() < noise:
+        return int(rng.integers(2))
+    return int(obs[2] + 0.5 * obs[3] + 0.01 * obs[0] + 0.05 * obs[1] > 0)
+
+
+def set_state(state: dqn.EnvState, values, time: int) -> dqn.EnvState:
+    x, x_dot, theta, theta_dot = (jnp.float32(v) for v in values)
+    return state.replace(x=x, x_dot=x_dot, theta=theta, theta_dot=theta_dot, time=jnp.int32(time))
+
+
+# ---------------------------------------------------------------- environment parity
+
+
+def test_parity_with_gymnasium_cartpole_v1():
+    """Transition by transition: copy Gymnasium's state into ours, take the same action,
+    compare obs, reward, terminated, truncated; one episode runs into the 500 limit."""
+    env, step = dqn.CartPole(), jax.jit(dqn.CartPole().step)
+    gym_env = gymnasium.make("CartPole-v1")
+    rng = np.random.default_rng(0)
+    _, state = env.reset(jax.random.key(0))
+    lengths, endings = [], []
+    for episode in range(4):
+        gym_obs, _ = gym_env.reset(seed=episode)
+        for t in range(600):
+            state = set_state(state, gym_env.unwrapped.state, t)
+            action = policy(gym_obs, rng, noise=0.05 if episode % 2 else 1.0)
+            gym_obs, gym_reward, gym_term, gym_trunc, _ = gym_env.step(action)
+            obs, state, reward, term, trunc, info = step(jax.random.key(t), state, action)
+            np.testing.assert_allclose(info["final_observation"], gym_obs, atol=1e-5)
+            assert (float(reward), bool(term), bool(trunc)) == (gym_reward, gym_term, gym_trunc)
+            if gym_term or gym_trunc:
+                # Auto-reset: the next observation is a fresh start, not the final one.
+                assert np.abs(np.asarray(obs)).max() <= 0.05 and int(state.time) == 0
+                lengths.append(t + 1)
+                endings.append("truncated" if gym_trunc else "terminated")
+                break
+    assert 500 in lengths and "terminated" in endings  # both endings were compared
+    assert lengths[endings.index("truncated")] == 500
+
+
+def test_parity_with_gymnax_cartpole_v1():
+    """Same reset for the same key, then the same transitions as gymnax's CartPole-v1."""
+    ours, theirs = dqn.CartPole(), dqn.GymnaxCartPole()
+    key = jax.random.key(3)
+    obs, state = ours.reset(key)
+    g_obs, g_state = theirs.reset(key)
+    np.testing.assert_allclose(obs, g_obs, atol=1e-6)
+    step, g_step = jax.jit(ours.step), jax.jit(theirs.step)
+    rng = np.random.default_rng(1)
+    seen_term = False
+    for t in range(300):
+        action = policy(np.asarray(g_obs), rng, noise=0.5)
+        k = jax.random.key(100 + t)
+        state = set_state(
+            state, [g_state.x, g_state.x_dot, g_state.theta, g_state.theta_dot], int(g_state.time)
+        )
+        _, state, reward, term, trunc, info = step(k, state, action)
+        g_obs, g_state, g_reward, g_term, g_trunc, g_info = g_step(k, g_state, action)
+        np.testing.assert_allclose(
+            info["final_observation"], g_info["final_observation"], atol=1e-5
+        )
+        assert (float(reward), bool(term), bool(trunc)) == (
+            float(g_reward),
+            bool(g_term),
+            bool(g_trunc),
+        )
+        seen_term |= bool(g_term)
+    assert seen_term
+
+
+# ---------------------------------------------------------------- replay buffer
+
+
+def transition(i: int, terminated: bool = False) -> dqn.Transition:
+    return dqn.Transition(
+        obs=jnp.full(4, float(i)),
+        action=jnp.int32(i % 2),
+        reward=jnp.float32(1.0),
+        next_obs=jnp.full(4, i + 0.5),
+        terminated=jnp.bool_(terminated),
+    )
+
+
+def test_buffer_is_a_ring_that_overwrites_the_oldest():
+    buffer = dqn.buffer_init(3, 4)
+    for i in range(1, 6):  # 5 writes into 3 slots
+        buffer = dqn.buffer_add(buffer, transition(i))
+    assert int(buffer.size) == 3 and int(buffer.pointer) == 2
+    np.testing.assert_array_equal(buffer.data.obs[:, 0], [4.0, 5.0, 3.0])
+
+
+def test_buffer_samples_only_the_filled_part_and_stores_terminated():
+    buffer = dqn.buffer_init(100, 4)
+    for i in range(1, 4):
+        buffer = dqn.buffer_add(buffer, transition(i, terminated=i == 2))
+    batch = dqn.buffer_sample(buffer, jax.random.key(0), 1_000)
+    assert set(np.asarray(batch.obs[:, 0]).tolist()) == {1.0, 2.0, 3.0}  # no empty slot
+    np.testing.assert_array_equal(batch.terminated, batch.obs[:, 0] == 2.0)
+    np.testing.assert_array_equal(batch.next_obs, batch.obs + 0.5)
+
+
+def test_truncation_keeps_terminated_false_and_the_true_final_observation():
+    env = dqn.CartPole()
+    _, state = env.reset(jax.random.key(0))
+    state = set_state(state, [0.0, 0.0, 0.0, 0.0], 499)
+    obs, _, _, term, trunc, info = env.step(jax.random.key(1), state, 1)
+    assert bool(trunc) and not bool(term)
+    assert not np.allclose(info["final_observation"], obs)  # obs is the reset one
+    assert float(info["final_observation"][1]) > 0  # pushed right: the real next state
+
+
+# ---------------------------------------------------------------- TD target
+
+
+@pytest.mark.parametrize("double_dqn", [False, True])
+def test_truncated_transition_bootstraps_and_terminated_does_not(double_dqn):
+    reward = jnp.array([1.0, 1.0])
+    terminated = jnp.array([False, True])  # [truncated by the time limit, fell]
+    next_q_target = jnp.array([[3.0, 5.0], [3.0, 5.0]])
+    next_q_online = jnp.array([[2.0, 1.0], [2.0, 1.0]])  # prefers action 0
+    target = dqn.td_target(reward, terminated, next_q_target, next_q_online, 0.9, double_dqn)
+    bootstrap = 3.0 if double_dqn else 5.0  # Double DQN: online picks 0, target rates it 3
+    np.testing.assert_allclose(target, [1.0 + 0.9 * bootstrap, 1.0])
+
+
+# ---------------------------------------------------------------- train: keys and seeds
+
+
+@pytest.fixture(scope="module")
+def tiny_train():
+    return dqn.make_train(TINY)
+
+
+@pytest.fixture(scope="module")
+def tiny_keys():
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(0), jnp.arange(3))
+
+
+@pytest.fixture(scope="module")
+def vmapped_out(tiny_train, tiny_keys):
+    return jax.jit(jax.vmap(tiny_train))(tiny_keys)
+
+
+def test_vmap_equals_single_key(tiny_train, tiny_keys, vmapped_out):
+    single = jax.jit(tiny_train)
+    for i in (0, 2):
+        one = single(tiny_keys[i])
+        jax.tree.map(
+            lambda a, b, i=i: np.testing.assert_allclose(a[i], b, rtol=1e-4, atol=1e-4),
+            vmapped_out,
+            one,
+        )
+
+
+def test_metrics_have_one_point_per_evaluation(vmapped_out):
+    metrics = vmapped_out["metrics"]
+    np.testing.assert_array_equal(metrics["step"][0], [500, 1_000])
+    assert metrics["eval_return"].shape == (3, 2)
+    assert np.all(metrics["eval_return"] >= 1) and np.all(metrics["eval_return"] <= 500)
+
+
+def test_seeds_get_different_init_and_exploration():
+    # No update ever runs, so the final params are the initial ones and the training
+    # returns depend on exploration only.
+    config = dataclasses.replace(TINY, learning_starts=TINY.total_timesteps, epsilon_end=1.0)
+    keys = jax.random.split(jax.random.key(0), 3)
+    out = jax.jit(jax.vmap(dqn.make_train(config)))(keys)
+    kernel = out["params"]["params"]["Dense_0"]["kernel"]  # [seeds, 4, 16]
+    assert not np.allclose(kernel[0], kernel[1]) and not np.allclose(kernel[1], kernel[2])
+    returns = out["metrics"]["train_return"]  # [seeds, evals]
+    assert len({tuple(np.round(r, 4)) for r in np.asarray(returns)}) == 3
+
+
+def test_memory_batches_seeds_when_they_do_not_fit(monkeypatch):
+    config = dataclasses.replace(TINY, num_seeds=8)
+    need = dqn.bytes_per_seed(config)
+    monkeypatch.setattr(dqn, "bytes_available", lambda device: int(4.5 * need))
+    assert dqn.plan_seeds(config).seeds_per_batch == 2  # 2 fit (half the memory); 4 per device
+    monkeypatch.setattr(dqn, "bytes_available", lambda device: need)
+    with pytest.raises(MemoryError, match="--buffer-size"):
+        dqn.plan_seeds(config)
+
+
+def test_short_run_beats_a_random_policy():
+    """Random play scores ~22; 10k steps of DQN (a fifth of the default budget, with the
+    exploration decay scaled to match) should be well above it, not solving yet."""
+    config = dataclasses.replace(
+        dqn.Config(),
+        total_timesteps=10_000,
+        eval_every=5_000,
+        exploration_fraction=0.5,
+        num_seeds=8,
+    )
+    keys = jax.random.split(jax.random.key(1), config.num_seeds)
+    final = jax.jit(jax.vmap(dqn.make_train(config)))(keys)["metrics"]["eval_return"][:, -1]
+    assert np.median(final) > 60, final
+
+
+def test_gymnax_env_trains_with_the_same_agent():
+    config = dataclasses.replace(TINY, env="gymnax")
+    out = jax.jit(dqn.make_train(config))(jax.random.key(0))
+    assert np.all(np.isfinite(out["metrics"]["eval_return"]))
+    assert out["params"]["params"]["Dense_0"]["kernel"].shape == (4, 16)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_out):
+    """3 seeds on 2 devices (padded to 4, padding dropped) give what jit(vmap) gave;
+    the progress callback runs once per report; then --load re-evaluates the params."""
+    reports = []
+    record = dqn.Progress.__call__
+    monkeypatch.setattr(
+        dqn.Progress,
+        "__call__",
+        lambda self, steps: (reports.append(int(steps)), record(self, steps)),
+    )
+    out_dir = tmp_path / "run"
+    args = [
+        "--total-timesteps",
+        "1000",
+        "--eval-every",
+        "500",
+        "--num-seeds",
+        "3",
+        "--hidden-sizes",
+        "16,16",
+        "--buffer-size",
+        "256",
+        "--batch-size",
+        "16",
+        "--train-frequency",
+        "2",
+        "--target-update-interval",
+        "100",
+        "--learning-starts",
+        "200",
+        "--eval-episodes",
+        "2",
+        "--output-dir",
+        str(out_dir),
+    ]
+    dqn.main(args)
+    summary = json.loads((out_dir / "summary.json").read_text())
+    for key in (
+        "config",
+        "versions",
+        "devices",
+        "wall_time_s",
+        "compile_time_s",
+        "agent_steps_per_s",
+        "final_eval_return",
+        "solved_fraction",
+        "iqm",
+    ):
+        assert key in summary
+    assert summary["seeds_padded_to"] == 4 and len(summary["devices"]) == 2
+    np.testing.assert_allclose(
+        summary["final_eval_return"], vmapped_out["metrics"]["eval_return"][:, -1], atol=1e-4
+    )
+    assert summary["iqm"]["ci95"][0] <= summary["iqm"]["value"] <= summary["iqm"]["ci95"][1]
+    assert reports == sorted(set(reports)) and reports[-1] == TINY.total_timesteps
+    assert (out_dir / "learning_curves.png").stat().st_size > 0
+    assert (out_dir / "params.msgpack").stat().st_size > 0
+
+    dqn.main(
+        [
+            "--load",
+            str(out_dir),
+            "--eval-episodes",
+            "2",
+            "--render",
+            "--env",
+            "gymnax",
+            "--output-dir",
+            str(out_dir),
+        ]
+    )
+    loaded = json.loads((out_dir / "load_summary.json").read_text())
+    assert len(loaded["final_eval_return"]) == 3 and loaded["config"]["env"] == "gymnax"
+    assert (out_dir / "render.gif").read_bytes()[:3] == b"GIF"
+
+
+BAD_INPUTS = [
+    (["--num-seeds", "0"], "--num-seeds"),
+    (["--total-timesteps", "-5"], "--total-timesteps"),
+    (["--learning-rate", "0"], "--learning-rate"),
+    (["--gamma", "1.0"], "--gamma"),
+    (["--epsilon-start", "1.5"], "--epsilon-start"),
+    (["--epsilon-end", "-0.1"], "--epsilon-end"),
+    (["--batch-size", "512", "--buffer-size", "256"], "--batch-size"),
+    (["--env", "pong"], "--env"),
+    (["--hidden-sizes", "64,x"], "--hidden-sizes"),
+    (["--num-seeds", "two"], "--num-seeds"),
+    (["--no-such-flag"], "--no-such-flag"),
+]
+
+
+@pytest.mark.parametrize(("argv", "flag"), BAD_INPUTS)
+def test_cli_bad_input_is_one_line_and_writes_nothing(argv, flag, tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        dqn.main([*argv, "--output-dir", str(out_dir)])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code != 0
+    assert len(err.splitlines()) == 1 and flag in err, err
+    assert not out_dir.exists()
+
+
+def test_cli_output_dir_that_is_a_file_and_load_without_params(tmp_path, capsys):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for argv, flag in [
+        (["--output-dir", str(a_file)], "--output-dir"),
+        (["--load", str(tmp_path), "--output-dir", str(tmp_path / "o")], "--load"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            dqn.main(argv)
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code != 0 and len(err.splitlines()) == 1 and flag in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_error_from_a_fresh_process_has_no_traceback():
+    result = subprocess.run(
+        [sys.executable, "dqn_cartpole.py", "--gamma", "2"],
+        capture_output=True,
+        text=True,
+        cwd=dqn.__file__.rsplit("/", 1)[0],
+    )
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [
+        "dqn_cartpole.py: error: --gamma must be in [0, 1)"
+    ]
+
+
+def test_gymnax_is_used_for_env_gymnax():
+    assert isinstance(dqn.make_env("gymnax").env, type(gymnax.make("CartPole-v1")[0]))
+
+
+def test_cli_flags_come_from_the_config_fields():
+    args = dqn.build_parser().parse_args(["--no-double-dqn", "--hidden-sizes", "32,8"])
+    assert args.double_dqn is False and args.hidden_sizes == (32, 8)
+    names = {f.name for f in dataclasses.fields(dqn.Config)}
+    assert names <= set(vars(args))
