@@ -57,9 +57,11 @@ class Config:
     total_timesteps: int = param(50_000, "environment steps per seed")
     num_seeds: int = param(1, "independent agents trained at once (vmapped, sharded)")
     seed: int = param(0, "base seed; seed i of a run uses fold_in(key(seed), i)")
-    learning_rate: float = param(1e-3, "Adam step size at the start of training")
+    learning_rate: float = param(2.5e-3, "Adam step size at the start of training")
     anneal_lr: bool = param(True, "decay the step size linearly to 0: freezes a good policy")
-    gamma: float = param(0.99, "discount factor")
+    # 0.995, not 0.99: a policy that keeps the pole up can still let the cart drift off the
+    # track hundreds of steps later, which 0.99 hardly sees (0.99^300 = 0.05). Swept in README.
+    gamma: float = param(0.995, "discount factor")
     buffer_size: int = param(10_000, "replay buffer capacity (transitions per seed)")
     batch_size: int = param(32, "transitions per gradient update")
     hidden_sizes: tuple[int, ...] = param((64, 64), "MLP hidden widths, e.g. 64,64")
@@ -636,8 +638,17 @@ def bytes_available(device) -> int:
     return host // len(jax.devices())
 
 
+# On a CPU, vmapping a few seeds at a time and running those batches one after another
+# (lax.map) beats vmapping all of a device's seeds at once: each batch's buffers and
+# activations stay in cache. Measured here (512 seeds, 2 CPU devices, 10k steps, training
+# only): 256 seeds at once per device 57 s, batches of 64 43 s, 16 34 s, 8 36 s, 4 38 s.
+# A GPU wants every seed at once.
+CPU_SEEDS_PER_BATCH = 16
+
+
 def plan_seeds(config: Config, memory_fraction: float = 0.5) -> SeedPlan:
-    """Pad the seeds to a multiple of the device count; batch them if they do not fit.
+    """Pad the seeds to a multiple of the device count; batch them if they do not fit
+    (and, on a CPU, in batches of at most CPU_SEEDS_PER_BATCH, which runs faster).
 
     Raises MemoryError (with what to change) when not even one seed fits.
     """
@@ -652,6 +663,8 @@ def plan_seeds(config: Config, memory_fraction: float = 0.5) -> SeedPlan:
             f"one seed needs ~{need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB free per "
             "device: lower --buffer-size, --eval-every or --batch-size"
         )
+    if jax.devices()[0].platform == "cpu":
+        fits = min(fits, CPU_SEEDS_PER_BATCH)
     # The largest batch that fits and divides the per-device seeds evenly.
     batch = max(b for b in range(1, per_device + 1) if per_device % b == 0 and b <= fits)
     return SeedPlan(
@@ -723,7 +736,7 @@ def train_seeds(config: Config, plan: SeedPlan, progress: Progress | None = None
     per_device = plan.padded_seeds // plan.num_devices
     if plan.seeds_per_batch == per_device:
         per_device_fn = jax.vmap(train)
-    else:  # not enough memory for all at once: vmap batches of seeds, one after another
+    else:  # vmap batches of seeds, one after another (memory, or CPU cache: plan_seeds)
         per_device_fn = partial(jax.lax.map, train, batch_size=plan.seeds_per_batch)
     run = jax.jit(jax.vmap(per_device_fn), in_shardings=sharding, out_shardings=sharding)
 

@@ -216,6 +216,13 @@ def test_memory_batches_seeds_when_they_do_not_fit(monkeypatch):
         dqn.plan_seeds(config)
 
 
+def test_cpu_runs_seeds_in_cache_sized_batches():
+    config = dataclasses.replace(TINY, num_seeds=4 * dqn.CPU_SEEDS_PER_BATCH)  # 2 per device
+    plan = dqn.plan_seeds(config)
+    assert plan.num_devices == 2
+    assert plan.seeds_per_batch == dqn.CPU_SEEDS_PER_BATCH  # not all 2 * 16 at once
+
+
 def test_short_run_beats_a_random_policy():
     """Random play scores ~22; 10k steps of DQN (a fifth of the default budget, with the
     exploration decay scaled to match) should be well above it, not solving yet."""
