@@ -62,7 +62,9 @@ class Config:
     # 0.995, not 0.99: a policy that keeps the pole up can still let the cart drift off the
     # track hundreds of steps later, which 0.99 hardly sees (0.99^300 = 0.05). Swept in README.
     gamma: float = param(0.995, "discount factor")
-    buffer_size: int = param(10_000, "replay buffer capacity (transitions per seed)")
+    # Small on purpose: fresh data beat old data here. 512 seeds solved 92% with 5000 and
+    # 81% with 10000; 20000 and 25000 did worse still in smaller sweeps (README).
+    buffer_size: int = param(5_000, "replay buffer capacity (transitions per seed)")
     batch_size: int = param(32, "transitions per gradient update")
     hidden_sizes: tuple[int, ...] = param((64, 64), "MLP hidden widths, e.g. 64,64")
     layer_norm: bool = param(True, "LayerNorm after each hidden Dense: keeps Q from diverging")
