@@ -16,6 +16,7 @@ and the ratio.
 import argparse
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -51,29 +52,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timesteps", type=int, default=5_000)
     parser.add_argument("--num-agents", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs; medians")
     args = parser.parse_args()
 
-    yard, yard_line = run(
-        [
-            sys.executable,
-            str(YARDSTICK),
-            "--timesteps",
-            str(args.timesteps),
-            "--num-agents",
-            str(args.num_agents),
-        ],
-        {"XLA_FLAGS": ""},
-    )
-    print(yard_line)
-    code = OURS.format(root=str(ROOT), steps=args.timesteps, agents=args.num_agents)
-    results = {}
-    for devices in (2, 1):
-        flags = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-        results[devices], line = run([sys.executable, "-c", code], flags)
-        print(line)
+    yardstick = [
+        sys.executable, str(YARDSTICK),
+        "--timesteps", str(args.timesteps), "--num-agents", str(args.num_agents),
+    ]  # fmt: skip
+    ours = [sys.executable, "-c", OURS.format(root=str(ROOT), steps=args.timesteps,
+                                              agents=args.num_agents)]  # fmt: skip
+    # The three alternate, so that a machine that slows down for a while slows all of them;
+    # the yardstick alone varied 29k-39k agent-steps/s between runs on an idle machine.
+    runs = {"yardstick": [], 2: [], 1: []}
+    for repeat in range(args.repeats):
+        for name, cmd, flags in (
+            ("yardstick", yardstick, ""),
+            (2, ours, "--xla_force_host_platform_device_count=2"),
+            (1, ours, "--xla_force_host_platform_device_count=1"),
+        ):
+            speed, line = run(cmd, {"XLA_FLAGS": flags})
+            runs[name].append(speed)
+            print(f"repeat {repeat + 1}/{args.repeats}: {line}", flush=True)
+    yard, two, one = (statistics.median(runs[k]) for k in ("yardstick", 2, 1))
     print(
-        f"speed-up vs yardstick: {results[2] / yard:.2f}x sharded over 2 CPU devices, "
-        f"{results[1] / yard:.2f}x on 1 device"
+        f"medians (agent-steps/s): yardstick {yard:.0f}, ours on 2 devices {two:.0f}, "
+        f"on 1 {one:.0f}"
+    )
+    print(
+        f"speed-up vs yardstick: {two / yard:.2f}x sharded over 2 CPU devices, "
+        f"{one / yard:.2f}x on 1 device"
     )
 
 
