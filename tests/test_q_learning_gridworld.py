@@ -131,11 +131,11 @@ def test_layouts_match_the_spec():
     }.items():
         env = qlg.GridWorld(qlg.LAYOUTS[name])
         assert (env.rows, env.cols) == (rows, cols)
-        assert qlg.shortest_path_length(env.grid) == reference_shortest(qlg.LAYOUTS[name])
+        assert env.map.shortest_path_length == reference_shortest(qlg.LAYOUTS[name])
         assert reference_shortest(qlg.LAYOUTS[name]) == shortest
     env = qlg.GridWorld(qlg.LAYOUTS["default"])
-    assert (env.start, env.goal) == (7 * 12 + 11, 0)
-    assert not env.walls.any()
+    assert (env.map.start, env.map.goal) == (7 * 12 + 11, 0)
+    assert not (env.map.grid == "#").any()
 
 
 def run_steps(env, actions):
@@ -208,8 +208,17 @@ def test_bad_maps_raise_one_line(layout, message):
         qlg.Config(layout=layout)
 
 
+def test_a_run_parses_its_map_once():
+    layout = "S..\n.#.\n..G\n"  # a map no other test uses
+    before = qlg.parse_layout.cache_info().misses
+    config = qlg.Config(layout=layout, max_episode_steps=5)  # checks the map
+    qlg.make_train(config, qlg.GridWorld(config.layout, config.max_episode_steps))
+    qlg.make_train(config)  # builds its own GridWorld from the same text
+    assert qlg.parse_layout.cache_info().misses == before + 1
+
+
 def test_map_text_tolerates_blank_edges_and_trailing_spaces():
-    grid = qlg.parse_layout("\n\nS.  \n.G\n\n")
+    grid = qlg.parse_layout("\n\nS.  \n.G\n\n").grid
     assert grid.shape == (2, 2)
 
 
@@ -405,14 +414,15 @@ def test_uniform_exploration_learns_the_whole_table(name):
 # ------------------------------------------------------------------------------------------
 
 
-def test_sharded_seeds_match_single_runs(small_train):
+@pytest.mark.parametrize("batch_size", [None, 1])  # all seeds of a device at once, or one by one
+def test_sharded_seeds_match_single_runs(small_train, batch_size):
     assert jax.device_count() == 2
     config = qlg.Config(num_seeds=3, seed=11, **SMALL)
-    out, timings = qlg.train_seeds(config)
+    out, timings = qlg.train_seeds(small_train, config.seed, config.num_seeds, batch_size)
     assert len(timings["devices"]) == 2
     assert timings["padded_num_seeds"] == 4  # 3 seeds padded to a multiple of 2 devices
     assert out["q_values"].shape == (3, 8, 12, 4)
-    assert timings["agent_steps_per_s"] > 0
+    assert timings["train_time_s"] > 0
     single = jax.jit(small_train)
     for i in range(3):
         expected = single(jax.random.fold_in(jax.random.key(config.seed), i))
@@ -538,7 +548,7 @@ def test_cli_happy_path_writes_summary_and_figure(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "agent-steps/s" in result.stdout and "compile" in result.stdout
     summary = json.loads((output_dir / "summary.json").read_text())
-    for key in ("config", "versions", "devices", "wall_time_s", "compile_time_s"):
+    for key in ("config", "versions", "devices", "wall_time_s", "compile_time_s", "train_time_s"):
         assert key in summary
     assert summary["config"]["layout"] == qlg.LAYOUTS["maze"]
     assert summary["versions"]["jax"] == jax.__version__
@@ -551,3 +561,15 @@ def test_cli_happy_path_writes_summary_and_figure(tmp_path):
         assert seed["v_start"] == pytest.approx(GAMMA**21, rel=0.05)
     figure = output_dir / "q_learning_gridworld.png"
     assert figure.stat().st_size > 10_000
+
+
+def test_benchmark_runs_from_the_repository_at_a_tiny_size():
+    benchmark = SCRIPT.parent / "benchmarks" / "q_learning_gridworld.py"
+    result = subprocess.run(
+        [sys.executable, str(benchmark), "--timesteps", "20000", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^ratio: [0-9]+x", result.stdout, re.MULTILINE), result.stdout
