@@ -1,101 +1,89 @@
 """Thousands of tabular Q-learning agents, and whole hyperparameter sweeps, in one compiled call.
 
-The GridWorld and Q-learning are the textbook ones (same map format and dynamics as
-q_learning_gridworld.py, but this file imports nothing from it). What is new is the shape of
-the experiment: `make_train(config)` returns a pure function `train(rng, hparams)`, so
-
-    jax.vmap(train, in_axes=(0, None))                   # many seeds of one setting
-    jax.vmap(jax.vmap(train, in_axes=(0, None)),
-             in_axes=(None, 0))                          # seeds x a whole hyperparameter grid
-
-are single XLA programs. main() runs the same computation laid out for speed
-(make_device_sweep): seeds sharded over every device, and on a CPU each device trains its
-agents in chunks whose Q-tables fit in its cache. Each grid point is checked against exact
-value iteration in summary.json.
-
     python parallel_q_learning.py --num-seeds 256 --learning-rates 0.05,0.1,0.5 \
         --epsilons 0.05,0.1,0.3                          # 256 x 9 agents
-    python parallel_q_learning.py --benchmark            # + the speed story, measured here
+    python benchmarks/parallel_q_learning.py             # the speed story, measured here
 
-`--benchmark` measures agent-steps/s of a plain Python/NumPy loop, one jitted agent, and
-N = 1, 4, 16, ... vmapped agents on one device and on all devices, and runs the articles'
-style of code (../shared/baselines/seed_style_q_learning.py) side by side for a ratio.
+The GridWorld and Q-learning are the textbook ones (q_learning_gridworld.py's map format and
+dynamics; nothing is imported from it). New is the shape of the experiment: make_train(config)
+returns a pure `train(rng, hparams)`, with the hyperparameters as data, so
+
+    jax.jit(jax.vmap(train, in_axes=(0, None)))(keys, hparams)  # many seeds of one setting
+    make_sweep(train)(keys, grid)                               # seeds x a whole grid
+
+are single XLA programs. main() runs that make_sweep with the seeds split over all devices,
+then checks each grid point against exact value iteration. Above the appendix line is the
+algorithm; below it, running it at scale and reporting.
 """
 
-from __future__ import annotations
-
-import argparse
 import dataclasses
 import itertools
-import json
 import math
 import os
-import platform
-import re
-import subprocess
-import sys
-import time
-from collections import deque
 from collections.abc import Callable
-from functools import partial
-from pathlib import Path
 from typing import NamedTuple
 
 # A CPU is one XLA device by default, and one device runs one thread of this program: showing
-# the CPU as one device per core lets the seed axis be sharded over every core (measured on 2
-# cores: 2.2x the agent-steps/s of one device). It only shapes the CPU platform, so a GPU run
-# is unaffected; a user who sets XLA_FLAGS keeps theirs.
+# the CPU as one device per core lets the seeds be split over every core (measured: see
+# README). It only shapes the CPU platform, so a GPU run is unaffected; a user's XLA_FLAGS win.
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={os.cpu_count()}")
 
 import jax
 import jax.numpy as jnp
-import matplotlib
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-matplotlib.use("Agg")  # figures go to files; no display needed
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+# ----- Config: every field is a command-line flag (--total-timesteps for total_timesteps) -----
 
-# ---------------------------------------------------------------------------------------------
-# Config: every field is a command-line flag (--total-timesteps for total_timesteps, ...)
-# ---------------------------------------------------------------------------------------------
+# The reference article's open 8x12 grid ('.' free, '#' wall, 'S' start, 'G' goal): the
+# shortest path takes 18 steps. --layout gives more maps, or reads a map file.
+DEFAULT_LAYOUT = "\n".join(["G..........."] + ["............"] * 6 + ["...........S"])
 
 
-def flag(default, help: str):
-    """A config field with its --help text next to it."""
+def option(default, help: str):
+    """A Config field whose help text becomes its --flag's help in the command line."""
     return dataclasses.field(default=default, metadata={"help": help})
+
+
+class ConfigError(ValueError):  # a bad flag value, as one line that names the flag
+    def __init__(self, name: str, message: str):
+        super().__init__(f"--{name.replace('_', '-')}: {message}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    layout: str = flag("default", "built-in layout (default, maze, four_rooms) or a map file")
-    total_timesteps: int = flag(100_000, "environment steps per agent")
-    num_seeds: int = flag(64, "independent agents per hyperparameter setting")
-    seed: int = flag(0, "seed i trains with fold_in(key(seed), i), at every grid point")
-    learning_rates: tuple[float, ...] = flag((0.05, 0.1, 0.5), "comma-separated, each > 0")
-    epsilons: tuple[float, ...] = flag((0.05, 0.1, 0.3), "comma-separated, each in [0, 1]")
-    gammas: tuple[float, ...] = flag((0.9,), "comma-separated, each in [0, 1)")
-    max_episode_steps: int = flag(0, "time limit (truncation, still bootstraps); 0 = none")
-    num_curve_points: int = flag(50, "points per learning curve (memory does not grow with steps)")
-    rng_block_steps: int = flag(100, "steps whose random bits are drawn at once (measured best)")
-    agents_per_chunk: int = flag(0, "agents trained together per device; 0: cache-sized on CPU")
-    output_dir: str = flag("runs/parallel_q_learning", "where summary.json and figures go")
-    benchmark: bool = flag(False, "also measure agent-steps/s vs number of agents")
-    benchmark_max_agents: int = flag(16384, "largest N in the benchmark (N = 1, 4, 16, ...)")
-    benchmark_seconds: float = flag(0.5, "target run time of one benchmark measurement")
-    benchmark_repeats: int = flag(3, "repetitions per benchmark point (the median is kept)")
-    yardstick: str = flag(
-        "../shared/baselines/seed_style_q_learning.py",
-        "articles-style script run by --benchmark, relative to this file; '' to skip",
-    )
+    layout: str = option(DEFAULT_LAYOUT, "the map: default, maze, four_rooms or a map file")
+    total_timesteps: int = option(100_000, "environment steps per agent")
+    num_seeds: int = option(64, "independent agents per hyperparameter setting")
+    seed: int = option(0, "seed i trains with fold_in(key(seed), i), at every grid point")
+    learning_rates: tuple[float, ...] = option((0.05, 0.1, 0.5), "comma-separated, each > 0")
+    epsilons: tuple[float, ...] = option((0.05, 0.1, 0.3), "comma-separated, each in [0, 1]")
+    gammas: tuple[float, ...] = option((0.9,), "comma-separated, each in [0, 1)")
+    max_episode_steps: int = option(0, "time limit (truncation, still bootstraps); 0 = none")
+    num_curve_points: int = option(50, "points per learning curve (memory does not grow)")
+    # Short: a block's random bits for thousands of agents stay in cache (measured: see README).
+    rng_block_steps: int = option(100, "steps whose random bits are drawn at once")
+    agents_per_chunk: int = option(0, "agents a device trains at once; 0: cache-sized on CPU")
+    output_dir: str = option("runs/parallel_q_learning", "where summary.json and figures go")
 
-
-class ConfigError(ValueError):
-    """A bad flag value: main() prints it as one line and exits 2."""
-
-    def __init__(self, flag_name: str, message: str):
-        super().__init__(f"--{flag_name.replace('_', '-')}: {message}")
+    def __post_init__(self):
+        # The ranges, checked here so make_train never sees them wrong (make_env checks the map).
+        for name in ("total_timesteps", "num_seeds", "num_curve_points", "rng_block_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be at least 1, got {getattr(self, name)}")
+        for name in ("max_episode_steps", "agents_per_chunk"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
+        for name, valid, rule in (
+            ("learning_rates", lambda x: x > 0, "> 0"),
+            ("epsilons", lambda x: 0 <= x <= 1, "in [0, 1]"),
+            ("gammas", lambda x: 0 <= x < 1, "in [0, 1)"),
+        ):
+            if not getattr(self, name):
+                raise ConfigError(name, "needs at least one value")
+            for value in getattr(self, name):
+                if not valid(value):  # False for NaN
+                    raise ConfigError(name, f"each value must be {rule}, got {value}")
 
 
 class HParams(NamedTuple):
@@ -106,47 +94,7 @@ class HParams(NamedTuple):
     gamma: jax.Array | float
 
 
-# ---------------------------------------------------------------------------------------------
-# Environment: GridWorld ('.' free, '#' wall, 'S' start, 'G' goal), gymnax-1.0-shaped API
-# ---------------------------------------------------------------------------------------------
-
-LAYOUTS = {
-    "default": """
-G...........
-............
-............
-............
-............
-............
-............
-...........S
-""",
-    "maze": """
-G..#.....#..
-##.#.###.#.#
-...#...#...#
-.#####.###.#
-.....#...#..
-####.###.#.#
-...#...#.#..
-.#...#.....S
-""",
-    "four_rooms": """
-#############
-#G....#.....#
-#.....#.....#
-#...........#
-#.....#.....#
-#.....#.....#
-##.####.....#
-#.....###.###
-#.....#.....#
-#.....#.....#
-#...........#
-#.....#....S#
-#############
-""",
-}
+# ----- Environment: GridWorld ('.' free, '#' wall, 'S' start, 'G' goal), gymnax-1.0 API -----
 
 NUM_ACTIONS = 4
 MOVES = ((0, 1), (1, 0), (0, -1), (-1, 0))  # (d_row, d_col) of 0 right, 1 down, 2 left, 3 up
@@ -170,6 +118,7 @@ class GridWorld:
     next_cell: np.ndarray  # [cells, actions] int32: where each action leads (walls: stay)
     start: int
     goal: int
+    shortest_path: int  # fewest steps from S to G
     max_episode_steps: int  # 0: no time limit
 
     @property
@@ -203,11 +152,8 @@ class GridWorld:
 
 def parse_layout(text: str) -> list[str]:
     """Map text -> rows, or LayoutError naming the problem and where it is."""
-    lines = [line.rstrip("\r") for line in text.split("\n")]
-    while lines and not lines[0].strip():
-        lines.pop(0)
-    while lines and not lines[-1].strip():
-        lines.pop()
+    # Trailing spaces and the blank lines around the map are not part of it.
+    lines = "\n".join(line.rstrip() for line in text.splitlines()).strip("\n").splitlines()
     if not lines:
         raise LayoutError("empty map")
     for r, line in enumerate(lines):
@@ -225,37 +171,9 @@ def parse_layout(text: str) -> list[str]:
     return lines
 
 
-def shortest_distances(next_cell: np.ndarray, goal: int) -> np.ndarray:
-    """Steps from every cell to the goal (BFS backwards over the transition table; -1: never)."""
-    predecessors = [[] for _ in range(len(next_cell))]
-    for cell, targets in enumerate(next_cell):
-        for target in targets:
-            predecessors[target].append(cell)
-    distance = np.full(len(next_cell), -1)
-    distance[goal] = 0
-    queue = deque([goal])
-    while queue:
-        cell = queue.popleft()
-        for previous in predecessors[cell]:
-            if distance[previous] < 0:
-                distance[previous] = distance[cell] + 1
-                queue.append(previous)
-    return distance
-
-
 def make_env(layout: str, max_episode_steps: int = 0) -> GridWorld:
-    """Built-in layout name or map file -> GridWorld (LayoutError if it cannot be played)."""
-    if layout in LAYOUTS:
-        text = LAYOUTS[layout]
-    else:
-        path = Path(layout)
-        if not path.is_file():
-            raise LayoutError(f"{layout!r} is neither a built-in layout {list(LAYOUTS)} nor a file")
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as error:
-            raise LayoutError(f"cannot read {layout!r}: {error}") from None
-    lines = parse_layout(text)
+    """Map text -> GridWorld, or LayoutError if it cannot be played."""
+    lines = parse_layout(layout)
     rows, cols = len(lines), len(lines[0])
     next_cell = np.zeros((rows * cols, NUM_ACTIONS), np.int32)
     for r, c in itertools.product(range(rows), range(cols)):
@@ -263,39 +181,22 @@ def make_env(layout: str, max_episode_steps: int = 0) -> GridWorld:
             r2, c2 = r + dr, c + dc
             blocked = not (0 <= r2 < rows and 0 <= c2 < cols) or lines[r2][c2] == "#"
             next_cell[r * cols + c, action] = r * cols + c if blocked else r2 * cols + c2
-    find = {
-        char: r * cols + line.index(char)
-        for r, line in enumerate(lines)
-        for char in "SG"
-        if char in line
-    }
-    env = GridWorld(rows, cols, next_cell, find["S"], find["G"], max_episode_steps)
-    if shortest_distances(next_cell, env.goal)[env.start] < 0:
-        raise LayoutError("G cannot be reached from S")
-    return env
+    start, goal = "".join(lines).index("S"), "".join(lines).index("G")
+    # Shortest path: grow the set of cells reachable within k steps until it holds G.
+    reachable, shortest = np.arange(rows * cols) == start, 0
+    while not reachable[goal]:
+        grown = reachable.copy()
+        grown[next_cell[reachable]] = True
+        if np.array_equal(grown, reachable):
+            raise LayoutError("G cannot be reached from S")
+        reachable, shortest = grown, shortest + 1
+    return GridWorld(rows, cols, next_cell, start, goal, shortest, max_episode_steps)
 
 
-def value_iteration(env: GridWorld, gamma: float) -> np.ndarray:
-    """Exact Q*[cells, actions]: Q*(s, a) = r + gamma * max Q*(s', .), with G terminal.
+# ----- Agent: epsilon-greedy from one random uint32 per step, and the Q-learning update -----
 
-    Deterministic dynamics and a reward only on entering G: starting from 0, values are exact
-    once they have propagated along the shortest paths, so the loop stops when nothing moves."""
-    entered_goal = env.next_cell == env.goal
-    q = np.zeros(env.next_cell.shape)
-    for _ in range(env.num_cells + 1):  # longest possible shortest path, + 1 to confirm
-        new_q = entered_goal + gamma * np.where(entered_goal, 0.0, q.max(axis=1)[env.next_cell])
-        if np.array_equal(new_q, q):
-            break
-        q = new_q
-    return q
-
-
-# ---------------------------------------------------------------------------------------------
-# Agent: epsilon-greedy from one random uint32 per step, and the Q-learning update
-# ---------------------------------------------------------------------------------------------
-
-# Random-number generation was ~40% of a step with floats (gridworld brief), so each step
-# gets one uint32 from jax.random.bits and splits it into two 16-bit fields.
+# Each step gets one uint32 from jax.random.bits, split into two 16-bit fields: drawing floats
+# costs a large share of a step this small (measured: see README).
 LOW_BITS = 16
 LOW_MASK = (1 << LOW_BITS) - 1
 
@@ -345,9 +246,7 @@ def greedy_path_length(q: jax.Array, env: GridWorld) -> jax.Array:
     return jnp.where(arrived, steps, env.num_cells)
 
 
-# ---------------------------------------------------------------------------------------------
-# Train: one agent, pure and jittable; vmap it over seeds and hyperparameters
-# ---------------------------------------------------------------------------------------------
+# ----- Train: one agent, pure and jittable; vmap it over seeds and hyperparameters -----------
 
 
 class Schedule(NamedTuple):
@@ -393,14 +292,17 @@ class Carry(NamedTuple):
 
 
 def make_train(
-    config: Config, on_point: Callable[[int], None] | None = None
+    config: Config,
+    env: GridWorld | None = None,
+    schedule: Schedule | None = None,
+    on_point: Callable[[int], None] | None = None,
 ) -> Callable[[jax.Array, HParams], TrainResult]:
     """-> train(rng, hparams): one agent, pure, fully jittable.
 
-    on_point(i), if given, is called on the host after curve point i (progress printing);
-    it does not change any value."""
-    env = make_env(config.layout, config.max_episode_steps)
-    schedule = make_schedule(config)
+    env and schedule are built from config unless given (main builds each once). on_point(i),
+    if given, is called on the host after curve point i (progress); it changes no value."""
+    env = env or make_env(config.layout, config.max_episode_steps)
+    schedule = schedule or make_schedule(config)
 
     def train(rng: jax.Array, hparams: HParams) -> TrainResult:
         threshold = epsilon_threshold(hparams.epsilon)
@@ -419,7 +321,8 @@ def make_train(
         def run_block(carry: Carry, _) -> tuple[Carry, None]:
             key, block_key = jax.random.split(carry.key)
             # All randomness of the block at once: splitting a key per step costs more than
-            # the Q-learning itself. No unroll: unrolling this scan was 7x slower on CPU.
+            # the Q-learning itself. No unroll: unrolling this scan was slower on CPU
+            # (measured: see README).
             bits = jax.random.bits(block_key, (schedule.block_steps,), jnp.uint32)
             carry, _ = lax.scan(agent_step, carry._replace(key=key), bits)
             return carry, None
@@ -431,7 +334,7 @@ def make_train(
                 greedy_path_length=greedy_path_length(carry.q, env),
                 start_value=carry.q[env.start].max(),
             )
-            if on_point is not None:  # `point` is not batched: one call per chunk, not per agent
+            if on_point is not None:  # `point` is not batched: one call per vmap, not per agent
                 jax.debug.callback(on_point, point)
             return carry._replace(episodes=jnp.int32(0)), curve
 
@@ -457,203 +360,220 @@ def grid_points(config: Config) -> list[tuple[float, float, float]]:
 def hparam_grid(config: Config) -> HParams:
     """The grid as HParams of float32 arrays [grid], in grid_points order."""
     gammas, learning_rates, epsilons = np.array(grid_points(config), np.float32).T
-    return HParams(learning_rates, epsilons, gammas)
-
-
-def seed_mesh(devices: list | None = None) -> Mesh:
-    """1-D mesh over the devices: the seed axis is split across it."""
-    return Mesh(np.array(devices if devices is not None else jax.devices()), ("seeds",))
-
-
-def make_seed_keys(seed: int, num_seeds: int, mesh: Mesh) -> jax.Array:
-    """Keys [num_seeds rounded up to a multiple of the device count], sharded over the mesh.
-
-    Created inside jit with that output sharding, so each device makes only its own keys
-    (also across hosts). Seed i's key is fold_in(key(seed), i) whatever the padding, so
-    results do not depend on the number of devices; main() drops the padded seeds."""
-    num_padded = math.ceil(num_seeds / mesh.size) * mesh.size
-
-    @partial(jax.jit, out_shardings=NamedSharding(mesh, PartitionSpec("seeds")))
-    def make_keys():
-        base = jax.random.key(seed)
-        return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(num_padded))
-
-    return make_keys()
+    return HParams(learning_rate=learning_rates, epsilon=epsilons, gamma=gammas)
 
 
 def make_sweep(train: Callable) -> Callable:
     """train(rng, hparams) -> sweep(keys [seeds], grid HParams [grid]) -> results [grid, seeds].
 
-    The idea in two lines. Every grid point runs with the same seeds' keys, on purpose:
-    common random numbers make the comparison between settings less noisy (the seeds
-    themselves are independent). make_device_sweep computes the same, laid out for speed."""
-    over_seeds = jax.vmap(train, in_axes=(0, None))
-    return jax.jit(jax.vmap(over_seeds, in_axes=(None, 0)))
+    Each (seed, grid point) pair is one agent on one flat vmapped axis, which ran faster than
+    a vmap nested over grid and seeds (measured: see README). Every grid point runs with the
+    same seeds' keys, on purpose: common random numbers make the comparison between settings
+    less noisy (the seeds themselves are independent)."""
 
+    def sweep(keys: jax.Array, grid: HParams) -> TrainResult:
+        num_seeds, num_points = keys.shape[0], grid.learning_rate.shape[0]
+        agent = jnp.arange(num_seeds * num_points)  # agent = seed * num_points + grid point
+        agent_hparams = jax.tree.map(lambda x: x[agent % num_points], grid)
+        results = jax.vmap(train)(keys[agent // num_points], agent_hparams)  # [agents, ...]
+        # [seeds * grid, ...] -> [grid, seeds, ...]
+        return jax.tree.map(
+            lambda x: x.reshape(num_seeds, num_points, *x.shape[1:]).swapaxes(0, 1), results
+        )
+
+    return jax.jit(sweep)
+
+
+# ===== Appendix: running it at scale and reporting =====
+
+# ruff: noqa: E402 (what only the appendix uses is imported here, so the reference copies alone)
+import argparse
+import json
+import platform
+import sys
+import time
+from functools import partial
+from importlib import metadata
+from pathlib import Path
+
+import matplotlib
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+matplotlib.use("Agg")  # figures go to files; no display needed
+import matplotlib.pyplot as plt
+
+# --layout's maps; maze (shortest path 22 steps) and four_rooms (20) have walls.
+LAYOUTS = {
+    "default": DEFAULT_LAYOUT,
+    "maze": """
+G..#.....#..
+##.#.###.#.#
+...#...#...#
+.#####.###.#
+.....#...#..
+####.###.#.#
+...#...#.#..
+.#...#.....S
+""",
+    "four_rooms": """
+#############
+#G....#.....#
+#.....#.....#
+#...........#
+#.....#.....#
+#.....#.....#
+##.####.....#
+#.....###.###
+#.....#.....#
+#.....#.....#
+#...........#
+#.....#....S#
+#############
+""",
+}
 
 # On a CPU, agents whose Q-tables fit in a core's L2 cache step fastest: beyond that, every
-# step's gather and scatter misses the cache. Measured here (1 MB L2 per core, 2 devices):
-# 4096 and 16384 agents ran 1.6-2.1x faster in chunks of 256 default-layout tables (384 KB)
-# than all at once; chunks of 128, 512 or 1024 were slower. A GPU wants every agent at once.
+# step's gather and scatter misses the cache (measured: see README). A GPU takes all at once.
 CPU_CHUNK_BYTES = 384 * 1024
 
 
-def chunk_size(config: Config, num_cells: int) -> int:
-    """Agents per chunk on one device; 0: all at once (GPU/TPU, or CPU with --agents-per-chunk
-    larger than the sweep)."""
-    if config.agents_per_chunk > 0:
-        return config.agents_per_chunk
-    if jax.devices()[0].platform != "cpu":
-        return 0
-    return max(1, CPU_CHUNK_BYTES // (num_cells * NUM_ACTIONS * 4))
+def seed_mesh(devices: list | None = None) -> Mesh:  # the seed axis is split across it
+    return Mesh(np.array(devices if devices is not None else jax.devices()), ("seeds",))
 
 
-def make_device_sweep(train: Callable, mesh: Mesh, num_grid: int, agents_per_chunk: int):
-    """make_sweep's results, computed as: each device takes its seeds (shard_map), pairs each
-    with every grid point, and trains these agents chunk after chunk (lax.map), each chunk
-    vmapped. One flat agent axis: measured ~30% faster than vmap nested over grid and seeds."""
+def chunks_per_device(config: Config, env: GridWorld, mesh: Mesh) -> int:
+    """How many groups of seeds (each with the whole grid) a device trains one after another:
+    about agents_per_chunk agents each, cache-sized on a CPU when 0, one group on a GPU."""
+    local_seeds = math.ceil(config.num_seeds / mesh.size)
+    agents = config.agents_per_chunk
+    if agents == 0 and mesh.devices.flat[0].platform == "cpu":
+        agents = CPU_CHUNK_BYTES // (env.num_cells * NUM_ACTIONS * 4)  # float32 tables
+    if agents == 0:
+        return 1
+    chunks = min(local_seeds, max(1, round(local_seeds * len(grid_points(config)) / agents)))
+    return math.ceil(local_seeds / math.ceil(local_seeds / chunks))  # no chunk of padding only
+
+
+def make_seed_keys(seed: int, num_seeds: int, mesh: Mesh, chunks: int = 1) -> jax.Array:
+    """Keys [num_seeds padded to a multiple of devices x chunks], sharded over the mesh.
+
+    Made inside jit with that output sharding, so each device makes only its own keys (also
+    across hosts). Seed i's key is fold_in(key(seed), i) whatever the padding, so results do
+    not depend on the device count; the padded seeds are dropped after training."""
+    num_keys = math.ceil(num_seeds / (mesh.size * chunks)) * mesh.size * chunks
+
+    @partial(jax.jit, out_shardings=NamedSharding(mesh, P("seeds")))
+    def make_keys():
+        return jax.vmap(partial(jax.random.fold_in, jax.random.key(seed)))(jnp.arange(num_keys))
+
+    return make_keys()
+
+
+def shard_sweep(sweep: Callable, mesh: Mesh, chunks: int = 1) -> Callable:
+    """sweep(keys, grid) with the seeds split over the mesh: each device cuts its keys into
+    `chunks` groups and runs sweep on one group after another (lax.map), the grid each time."""
 
     def device_sweep(keys: jax.Array, grid: HParams) -> TrainResult:
-        num_seeds = keys.shape[0]  # this device's seeds
-        agent = jnp.arange(num_seeds * num_grid)  # agent = seed * num_grid + grid point
-        agents = (keys[agent // num_grid], jax.tree.map(lambda x: x[agent % num_grid], grid))
-        if agents_per_chunk > 0:
-            results = lax.map(lambda a: train(*a), agents, batch_size=agents_per_chunk)
-        else:
-            results = jax.vmap(train)(*agents)
-
-        def to_grid_by_seeds(x: jax.Array) -> jax.Array:
-            return x.reshape(num_seeds, num_grid, *x.shape[1:]).swapaxes(0, 1)
-
-        return jax.tree.map(to_grid_by_seeds, results)  # [seeds * grid, ...] -> [grid, seeds, ...]
+        results = lax.map(lambda k: sweep(k, grid), keys.reshape(chunks, -1))
+        # [chunks, grid, seeds per chunk, ...] -> [grid, this device's seeds, ...]
+        return jax.tree.map(
+            lambda x: x.swapaxes(0, 1).reshape(x.shape[1], -1, *x.shape[3:]), results
+        )
 
     # check_vma=False: train starts its scans from constants (a zero Q-table), which the
     # varying-across-devices type check would otherwise want cast per device by hand.
-    seeds_sharded, replicated = PartitionSpec("seeds"), PartitionSpec()
-    grid_by_seeds = PartitionSpec(None, "seeds")
-    return jax.jit(
-        jax.shard_map(
-            device_sweep,
-            mesh=mesh,
-            in_specs=(seeds_sharded, replicated),
-            out_specs=grid_by_seeds,
-            check_vma=False,
-        )
-    )
+    specs = {"in_specs": (P("seeds"), P()), "out_specs": P(None, "seeds")}
+    return jax.jit(jax.shard_map(device_sweep, mesh=mesh, **specs, check_vma=False))
 
 
-def device_chunks(num_seeds: int, mesh: Mesh, num_grid: int, agents_per_chunk: int):
-    """-> (chunks each device runs one after the other, agents in a full chunk)."""
-    local_agents = math.ceil(num_seeds / mesh.size) * num_grid
-    if agents_per_chunk <= 0:
-        return 1, local_agents
-    chunk = min(local_agents, agents_per_chunk)
-    return math.ceil(local_agents / chunk), chunk  # lax.map: full chunks, then the rest
-
-
-# ---------------------------------------------------------------------------------------------
-# Memory check: refuse a sweep that cannot fit, before anything is written
-# ---------------------------------------------------------------------------------------------
-
-FLOAT_BYTES = 4
-# Live copies of the Q-table per agent: the scan carry, the loop's double buffer, the output.
-Q_TABLE_COPIES = 3
-# Leave room for XLA's temporaries, the host copy of the results and everything else.
-MEMORY_FRACTION = 0.5
-MAX_LOOP_LENGTH = 2**31 - 1  # loop counters are int32
-
-
-def bytes_per_agent(schedule: Schedule, num_cells: int) -> int:
-    q_table = num_cells * NUM_ACTIONS * FLOAT_BYTES * Q_TABLE_COPIES
-    random_bits = schedule.block_steps * FLOAT_BYTES * 2  # the block and its scan slices
-    curve = schedule.num_points * len(Curve._fields) * FLOAT_BYTES
-    return q_table + random_bits + curve
-
-
-def available_memory() -> int:
-    """Bytes the devices can hold: GPU/TPU memory, or the machine's RAM for the CPU."""
-    devices = jax.devices()
-    if devices[0].platform != "cpu":
-        stats = [device.memory_stats() or {} for device in devices]
-        if all("bytes_limit" in s for s in stats):
-            return sum(s["bytes_limit"] for s in stats)
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def check_memory(config: Config, num_cells: int) -> None:
-    schedule = make_schedule(config)
-    num_devices = len(jax.devices())
-    padded_seeds = math.ceil(config.num_seeds / num_devices) * num_devices
-    grid = len(config.learning_rates) * len(config.epsilons) * len(config.gammas)
-    needed = padded_seeds * grid * bytes_per_agent(schedule, num_cells)
-    limit = MEMORY_FRACTION * available_memory()
-    if needed > limit:
-        raise ConfigError(
-            "num_seeds",
-            f"{config.num_seeds} seeds x {grid} grid points need about {needed / 1e9:.1f} GB, "
-            f"more than {limit / 1e9:.1f} GB ({MEMORY_FRACTION:.0%} of the devices' memory); "
-            "use fewer seeds or a smaller grid",
-        )
-    if config.benchmark:
-        needed = config.benchmark_max_agents * bytes_per_agent(schedule, num_cells)
-        if needed > limit:
-            raise ConfigError(
-                "benchmark_max_agents",
-                f"{config.benchmark_max_agents} agents need about {needed / 1e9:.1f} GB, "
-                f"more than {limit / 1e9:.1f} GB",
-            )
-
-
-def validate(config: Config) -> GridWorld:
-    """Every check that can fail, before anything is written. -> the environment."""
-    for name in (
-        "total_timesteps",
-        "num_seeds",
-        "num_curve_points",
-        "rng_block_steps",
-        "benchmark_max_agents",
-        "benchmark_repeats",
-    ):
-        if getattr(config, name) < 1:
-            raise ConfigError(name, f"must be at least 1, got {getattr(config, name)}")
-    if config.max_episode_steps < 0:
-        raise ConfigError("max_episode_steps", "must be >= 0 (0: no time limit)")
-    if config.agents_per_chunk < 0:
-        raise ConfigError("agents_per_chunk", "must be >= 0 (0: cache-sized chunks on CPU)")
-    if make_schedule(config).blocks_per_point > MAX_LOOP_LENGTH:
-        raise ConfigError(
-            "total_timesteps", f"too large: at most {MAX_LOOP_LENGTH} blocks per curve point"
-        )
-    if not config.benchmark_seconds > 0:
-        raise ConfigError("benchmark_seconds", f"must be > 0, got {config.benchmark_seconds}")
-    checks = (
-        ("learning_rates", lambda x: x > 0, "> 0"),
-        ("epsilons", lambda x: 0 <= x <= 1, "in [0, 1]"),
-        ("gammas", lambda x: 0 <= x < 1, "in [0, 1)"),
-    )
-    for name, ok, rule in checks:
-        for value in getattr(config, name):
-            if not ok(value):
-                raise ConfigError(name, f"each value must be {rule}, got {value}")
+def validate(config: Config, schedule: Schedule) -> GridWorld:
+    """The checks that need the map or the machine, before anything is written -> the env."""
     try:
         env = make_env(config.layout, config.max_episode_steps)
     except LayoutError as error:
         raise ConfigError("layout", str(error)) from None
+    if schedule.blocks_per_point >= 2**31:  # loop counters are int32
+        raise ConfigError("total_timesteps", "too large: 2^31 blocks or more per curve point")
     output = Path(config.output_dir).absolute()
     existing = next(p for p in (output, *output.parents) if p.exists())  # "/" always exists
     if not existing.is_dir():
         raise ConfigError("output_dir", f"{str(existing)!r} exists and is not a directory")
     if not os.access(existing, os.W_OK):
         raise ConfigError("output_dir", f"{str(existing)!r} is not writable")
-    check_memory(config, env.num_cells)
+    # Per agent, in 4-byte words: the Q-table thrice (scan carry, loop buffer, output), a block
+    # of random bits and its scan slices, the curve. Half the memory is left to XLA and others.
+    per_agent = 3 * env.num_cells * NUM_ACTIONS + 2 * schedule.block_steps
+    per_agent += schedule.num_points * len(Curve._fields)
+    grid = len(grid_points(config))
+    padded_seeds = math.ceil(config.num_seeds / jax.device_count()) * jax.device_count()
+    needed = 4 * per_agent * padded_seeds * grid
+    stats = [device.memory_stats() or {} for device in jax.devices()]
+    if jax.default_backend() != "cpu" and all("bytes_limit" in s for s in stats):
+        limit = sum(s["bytes_limit"] for s in stats) / 2
+    else:
+        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2
+    if needed > limit:
+        raise ConfigError(
+            "num_seeds",
+            f"{config.num_seeds} seeds x {grid} grid points need about {needed / 1e9:.1f} GB, "
+            f"more than {limit / 1e9:.1f} GB (half the memory); use fewer seeds or a smaller grid",
+        )
     return env
 
 
-# ---------------------------------------------------------------------------------------------
-# Reporting: summary.json (checked against value iteration), sweep heatmap, learning curves
-# ---------------------------------------------------------------------------------------------
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
+    """Compile and run make_sweep over the mesh, printing progress -> numpy [grid, seeds, ...]."""
+    num_agents = len(grid_points(config)) * config.num_seeds
+    total_calls = mesh.size * chunks * schedule.num_points  # on_point: per device, chunk, point
+    # Devices call on_point from their own threads: next() is atomic, a line is one write.
+    calls, clock = itertools.count(1), {"start": 0.0}
+
+    def on_point(_) -> None:
+        call = next(calls)
+        if call % max(1, total_calls // 10) == 0 or call == total_calls:
+            seconds = time.perf_counter() - clock["start"]
+            done = call / total_calls
+            rate = num_agents * schedule.total_steps * done / seconds
+            print(f"  {done:4.0%}  train {seconds:6.2f} s  {rate / 1e6:.1f}M agent-steps/s\n",
+                  end="", flush=True)  # fmt: skip
+
+    sweep = shard_sweep(make_sweep(make_train(config, env, schedule, on_point)), mesh, chunks)
+    keys = make_seed_keys(config.seed, config.num_seeds, mesh, chunks)
+    grid = hparam_grid(config)
+    start = time.perf_counter()
+    compiled = sweep.lower(keys, grid).compile()
+    compile_time = time.perf_counter() - start
+    start = clock["start"] = time.perf_counter()
+    result = jax.block_until_ready(compiled(keys, grid))
+    timings = {
+        "compile_time_s": compile_time,
+        "train_time_s": time.perf_counter() - start,  # the compiled training call alone
+        "seeds_padded_to": int(keys.shape[0]),  # a multiple of devices x chunks
+    }
+    return jax.tree.map(lambda x: np.asarray(x)[:, : config.num_seeds], result), timings
+
+
+# ----- Reporting: summary.json (checked against value iteration), heatmap, curves -----------
 
 Z_95 = 1.96  # normal approximation of a 95% confidence interval of a mean
+
+
+def value_iteration(env: GridWorld, gamma: float) -> np.ndarray:
+    """Exact Q*[cells, actions]: Q*(s, a) = r + gamma * max Q*(s', .), with G terminal. With
+    deterministic moves and a reward only on entering G, it is exact once nothing moves."""
+    entered_goal = env.next_cell == env.goal
+    q = np.zeros(env.next_cell.shape)
+    for _ in range(env.num_cells + 1):  # longest possible shortest path, + 1 to confirm
+        new_q = entered_goal + gamma * np.where(entered_goal, 0.0, q.max(axis=1)[env.next_cell])
+        if np.array_equal(new_q, q):
+            break
+        q = new_q
+    return q
 
 
 def mean_ci(values: np.ndarray) -> dict:
@@ -667,30 +587,17 @@ def mean_ci(values: np.ndarray) -> dict:
 
 
 def versions() -> dict:
-    import jaxlib
-
-    return {
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "numpy": np.__version__,
-        "matplotlib": matplotlib.__version__,
-    }
-
-
-def devices_info() -> list[str]:
-    return [f"{d.platform}:{d.id} {d.device_kind}" for d in jax.devices()]
+    packages = ("jax", "jaxlib", "numpy", "matplotlib")
+    return {"python": platform.python_version()} | {p: metadata.version(p) for p in packages}
 
 
 def summarize_grid(config: Config, env: GridWorld, result: TrainResult) -> list[dict]:
-    """Per grid point: final greedy path vs shortest, V(S) vs value iteration, episodes.
-
-    optimal_time_share: the share of curve points at which the greedy path was already
-    optimal, which tells settings apart by how fast they learn, not only where they end."""
-    shortest = int(shortest_distances(env.next_cell, env.goal)[env.start])
+    """Per grid point: final greedy path vs shortest, V(S) vs value iteration, episodes, and
+    the share of curve points with an optimal greedy path (how fast, not only where to)."""
+    exact = {gamma: float(value_iteration(env, gamma)[env.start].max()) for gamma in config.gammas}
+    shortest = env.shortest_path  # steps from S to G
     rows = []
     for g, (gamma, learning_rate, epsilon) in enumerate(grid_points(config)):
-        exact_start_value = float(value_iteration(env, gamma)[env.start].max())
         paths = np.asarray(result.curve.greedy_path_length[g])  # [seeds, points]
         start_value = np.asarray(result.curve.start_value[g, :, -1])  # [seeds]
         rows.append(
@@ -702,8 +609,8 @@ def summarize_grid(config: Config, env: GridWorld, result: TrainResult) -> list[
                 "greedy_path_length": mean_ci(paths[:, -1]),
                 "greedy_path_optimal_fraction": float(np.mean(paths[:, -1] == shortest)),
                 "optimal_time_share": mean_ci(np.mean(paths == shortest, axis=1)),
-                "value_iteration_start_value": exact_start_value,
-                "start_value_abs_error": mean_ci(np.abs(start_value - exact_start_value)),
+                "value_iteration_start_value": exact[gamma],
+                "start_value_abs_error": mean_ci(np.abs(start_value - exact[gamma])),
                 "episodes_completed": mean_ci(np.asarray(result.curve.episodes[g]).sum(axis=1)),
             }
         )
@@ -719,39 +626,29 @@ HEATMAP_MEASURES = {
 def plot_heatmap(config: Config, rows: list[dict], path: Path) -> None:
     """Quality over learning rate x epsilon: one column of panels per gamma, one row per measure."""
     lrs, epsilons, gammas = config.learning_rates, config.epsilons, config.gammas
-    per_gamma = len(lrs) * len(epsilons)  # the grid's gamma is slowest, epsilon fastest
-    fig, axes = plt.subplots(
-        len(HEATMAP_MEASURES),
-        len(gammas),
-        figsize=(1.5 + 3.2 * len(gammas), 6.4),
-        squeeze=False,
-        layout="constrained",
-    )
+    fig, axes = plt.subplots(len(HEATMAP_MEASURES), len(gammas), squeeze=False)
+    fig.set_layout_engine("constrained")
+    fig.set_size_inches(1.5 + 3.2 * len(gammas), 6.4)
     for m, (measure, label) in enumerate(HEATMAP_MEASURES.items()):
-        for k, gamma in enumerate(gammas):
-            ax = axes[m][k]
-            values = [r[measure] for r in rows[k * per_gamma : (k + 1) * per_gamma]]
-            values = np.array([v["mean"] if isinstance(v, dict) else v for v in values])
-            values = values.reshape(len(lrs), len(epsilons))
-            image = ax.imshow(values, vmin=0, vmax=1, cmap="viridis", origin="lower")
-            for (i, j), value in np.ndenumerate(values):
+        values = [r[measure]["mean"] if isinstance(r[measure], dict) else r[measure] for r in rows]
+        # [gamma, lr, epsilon]: the grid's gamma is slowest, epsilon fastest
+        values = np.reshape(values, (len(gammas), len(lrs), len(epsilons)))
+        for ax, gamma, panel in zip(axes[m], gammas, values, strict=True):
+            image = ax.imshow(panel, vmin=0, vmax=1, cmap="viridis", origin="lower")
+            for (i, j), value in np.ndenumerate(panel):
                 color = "w" if value < 0.6 else "k"
                 ax.text(j, i, f"{value:.2f}", ha="center", va="center", color=color)
             ax.set_xticks(range(len(epsilons)), [f"{e:g}" for e in epsilons])
             ax.set_yticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
-            ax.set(xlabel="epsilon", ylabel="learning rate")
-            if m == 0:
-                ax.set_title(f"gamma = {gamma:g}")
+            ax.set(xlabel="epsilon", ylabel="learning rate", title=f"gamma = {gamma:g}")
         fig.colorbar(image, ax=axes[m].tolist(), label=label)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def plot_curves(config: Config, env: GridWorld, result: TrainResult, path: Path) -> None:
+def plot_curves(config, env: GridWorld, schedule: Schedule, result: TrainResult, path: Path):
     """Greedy path length during training, mean and 95% CI band across seeds, per grid point."""
-    schedule = make_schedule(config)
     steps = (np.arange(schedule.num_points) + 1) * schedule.blocks_per_point * schedule.block_steps
-    shortest = shortest_distances(env.next_cell, env.goal)[env.start]
     lengths = np.asarray(result.curve.greedy_path_length, np.float64)  # [grid, seeds, points]
     mean = lengths.mean(axis=1)  # [grid, points]
     half = np.zeros_like(mean)
@@ -765,376 +662,98 @@ def plot_curves(config: Config, env: GridWorld, result: TrainResult, path: Path)
         ax.plot(steps, mean[g], label=f"lr={learning_rate:g} eps={epsilon:g}")
         ax.fill_between(steps, mean[g] - half[g], mean[g] + half[g], alpha=0.2)
     for ax, gamma in zip(axes[0], gammas, strict=True):
-        ax.axhline(shortest, color="k", ls="--", lw=1, label="shortest path")
-        ax.set(
-            xlabel="steps per agent",
-            ylabel="greedy path length (cap: never arrives)",
-            title=f"gamma = {gamma:g}",
-            yscale="log",
-        )
+        ax.axhline(env.shortest_path, color="k", ls="--", lw=1, label="shortest path")
+        ax.set(xlabel="steps per agent", title=f"gamma = {gamma:g}", yscale="log")
+        ax.set_ylabel("greedy path length (cap: never arrives)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-# ---------------------------------------------------------------------------------------------
-# Benchmark: the articles' speed story, measured here
-# ---------------------------------------------------------------------------------------------
-
-BENCHMARK_HPARAMS = HParams(learning_rate=0.1, epsilon=0.1, gamma=0.9)  # the yardstick's
-YARDSTICK_STEPS, YARDSTICK_AGENTS = 20_000, 1024  # the issue's yardstick command
-YARDSTICK_ARGS = ("--timesteps", str(YARDSTICK_STEPS), "--num-agents", str(YARDSTICK_AGENTS))
-RATIO_AGENTS = 4096  # the issue compares 4096 agents on all devices with the yardstick
-# One agent is dominated by the per-block overhead, so it prefers long blocks (gridworld brief:
-# 13.5M steps/s at 1000, 18.8M at 10000); many agents prefer short ones (cache), hence 100.
-SINGLE_AGENT_BLOCK = 10_000
-# Step counts are static (they shape the compiled loops), so each benchmark point guesses its
-# rate before compiling: from the NumPy loop for the jitted agent, then from the previous N.
-NUMPY_CALIBRATION_STEPS = 2_000
-JIT_SPEEDUP_GUESS = 100  # jit one agent vs the NumPy loop (measured 100-130x)
-VMAP_ONE_AGENT_SLOWDOWN = 3  # vmap of one agent vs jit: batched gathers and scatters
-OVERSHOOT = 3  # a warm-up run this many times the target is kept as the only sample
-MIN_STEPS_PER_CELL = 20  # the benchmark's one greedy evaluation costs <= 5% of the steps
-CHUNKED, ALL_AT_ONCE = "vmap, chunks", "vmap, all at once"  # the benchmark's vmap methods
+# ----- Command line --------------------------------------------------------------------------
 
 
-def numpy_q_learning(env: GridWorld, hparams: HParams, steps: int, seed: int) -> np.ndarray:
-    """The same agent as a plain Python loop with NumPy: the articles' starting point."""
-    rng = np.random.default_rng(seed)
-    q = np.zeros((env.num_cells, NUM_ACTIONS))
-    cell, episode_steps = env.start, 0
-    for _ in range(steps):
-        q_s = q[cell]
-        if rng.random() < hparams.epsilon:
-            action = int(rng.integers(NUM_ACTIONS))
-        else:
-            action = int(rng.choice(np.flatnonzero(q_s == q_s.max())))
-        reached = int(env.next_cell[cell, action])
-        terminated = reached == env.goal
-        episode_steps += 1
-        truncated = 0 < env.max_episode_steps <= episode_steps
-        target = float(terminated) + hparams.gamma * (0.0 if terminated else q[reached].max())
-        q[cell, action] += hparams.learning_rate * (target - q[cell, action])
-        cell = env.start if terminated or truncated else reached
-        episode_steps = 0 if terminated or truncated else episode_steps
-    return q
-
-
-def measure(train_fn: Callable, args: tuple, target_seconds: float, repeats: int) -> dict:
-    """Compile (timed apart), then the median of `repeats` timed runs after one warm-up run.
-
-    A warm-up run far over the target is kept as the only sample instead of repeating it:
-    that bounds the benchmark's run time when a step-count guess was too high."""
-    start = time.perf_counter()
-    compiled = jax.jit(train_fn).lower(*args).compile()
-    compile_seconds = time.perf_counter() - start
-    samples = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        samples.append(time.perf_counter() - start)
-        if len(samples) == 1 and samples[0] > OVERSHOOT * target_seconds:
-            break
-    kept = samples[1:] or samples  # the warm-up run is dropped when there are others
-    return {"seconds": float(np.median(kept)), "compile_seconds": compile_seconds}
-
-
-def steps_for(config: Config, rate_guess: float, agents: int, block: int) -> int:
-    """Steps per agent (whole blocks) so one run takes about benchmark_seconds at rate_guess."""
-    blocks = int(config.benchmark_seconds * rate_guess / agents / block)
-    return block * max(1, blocks)
-
-
-def run_yardstick(config: Config) -> dict:
-    """Run the articles-style script in a subprocess; its one line gives agent-steps/s."""
-    if not config.yardstick:
-        return {"skipped": "--yardstick ''"}
-    path = Path(__file__).resolve().parent / config.yardstick
-    if not path.is_file():
-        return {"skipped": f"{path} not found"}
-    command = [sys.executable, str(path), *YARDSTICK_ARGS]
-    # It runs on one device: give it the plain CPU platform, as its own docstring runs it
-    # (measured: a little faster than with this process's split CPU).
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    match = re.search(r"steps_per_s=([0-9.]+)", done.stdout)
-    if done.returncode != 0 or match is None:
-        return {"skipped": f"yardstick failed: {(done.stderr or done.stdout).strip()[-200:]}"}
-    return {
-        "command": " ".join(["python", config.yardstick, *YARDSTICK_ARGS]),
-        "agent_steps_per_s": float(match.group(1)),
-    }
-
-
-def benchmark_agent_counts(config: Config) -> list[int]:
-    """N = 1, 4, 16, ... up to benchmark_max_agents (included even if not a power of 4)."""
-    counts = [1]
-    while counts[-1] * 4 <= config.benchmark_max_agents:
-        counts.append(counts[-1] * 4)
-    if counts[-1] != config.benchmark_max_agents:
-        counts.append(config.benchmark_max_agents)
-    return counts
-
-
-def run_benchmark(config: Config, env: GridWorld) -> dict:
-    """agent-steps/s: NumPy loop, one jitted agent, vmapped N agents on 1 and all devices."""
-    hparams = HParams(*(jnp.float32(x) for x in BENCHMARK_HPARAMS))
-    key = jax.random.key(config.seed)
-    rows = []
-
-    def record(method: str, devices: int, agents: int, steps: int, timing: dict) -> float:
-        rate = agents * steps / timing["seconds"]
-        rows.append(
-            {"method": method, "devices": devices, "agents": agents, "steps_per_agent": steps}
-            | timing
-            | {"agent_steps_per_s": rate}
-        )
-        print(f"  {method:<18} {devices:>7} {agents:>7} {steps:>10} {rate / 1e6:12.2f}")
-        return rate
-
-    print(f"  {'method':<18} {'devices':>7} {'agents':>7} {'steps':>10} {'M agent-steps/s':>12}")
-
-    # 1. A plain Python loop over NumPy arrays, one agent: the articles' starting point.
-    start = time.perf_counter()
-    numpy_q_learning(env, BENCHMARK_HPARAMS, NUMPY_CALIBRATION_STEPS, config.seed)
-    rate_guess = NUMPY_CALIBRATION_STEPS / (time.perf_counter() - start)
-    steps = max(NUMPY_CALIBRATION_STEPS, int(config.benchmark_seconds * rate_guess))
-    start = time.perf_counter()
-    numpy_q_learning(env, BENCHMARK_HPARAMS, steps, config.seed)
-    numpy_rate = record("numpy loop", 1, 1, steps, {"seconds": time.perf_counter() - start})
-
-    # 2. One agent, the whole training loop as one jitted XLA program.
-    steps = steps_for(config, JIT_SPEEDUP_GUESS * numpy_rate, 1, SINGLE_AGENT_BLOCK)
-    single = dataclasses.replace(
-        config, total_timesteps=steps, num_curve_points=1, rng_block_steps=SINGLE_AGENT_BLOCK
-    )
-    timing = measure(
-        make_train(single), (key, hparams), config.benchmark_seconds, config.benchmark_repeats
-    )
-    jit_rate = record("jit, one agent", 1, 1, steps, timing)
-
-    # 3. N vmapped agents, seeds sharded over a mesh of one device, then of all devices; in
-    #    cache-sized chunks as main() runs them, then (all devices) all at once for contrast.
-    counts = benchmark_agent_counts(config)
-    chunk = chunk_size(config, env.num_cells)
-    series = [(CHUNKED, seed_mesh(jax.devices()[:1]), chunk), (CHUNKED, seed_mesh(), chunk)]
-    series += [(ALL_AT_ONCE, seed_mesh(), 0)] if chunk else []
-    one_point = HParams(*(x.reshape(1) for x in hparams))  # a grid of one setting
-    for method, mesh, agents_per_chunk in series:
-        rate_guess = jit_rate / VMAP_ONE_AGENT_SLOWDOWN
-        # N below the device count would only measure padding: start at one agent per device.
-        for agents in [n for n in counts if n >= mesh.size]:
-            steps = steps_for(config, rate_guess, agents, config.rng_block_steps)
-            # Enough steps that the one greedy evaluation at the end (num_cells steps) is small.
-            steps = max(steps, MIN_STEPS_PER_CELL * env.num_cells)
-            timed = dataclasses.replace(config, total_timesteps=steps, num_curve_points=1)
-            sweep = make_device_sweep(make_train(timed), mesh, 1, agents_per_chunk)
-            keys = make_seed_keys(config.seed, agents, mesh)
-            timing = measure(
-                sweep, (keys, one_point), config.benchmark_seconds, config.benchmark_repeats
-            )
-            # The next N runs at least as fast per agent-step, about: guess this rate.
-            rate_guess = record(method, mesh.size, agents, make_schedule(timed).total_steps, timing)
-
-    # 4. The articles' code, same machine, same run; then the ratios the issue asks for.
-    yardstick = run_yardstick(config)
-    rate = {(r["method"], r["devices"], r["agents"]): r["agent_steps_per_s"] for r in rows}
-    all_devices = len(jax.devices())
-    compare_at = RATIO_AGENTS if RATIO_AGENTS in counts else counts[-1]
-    best = rate[(CHUNKED, all_devices, compare_at)]
-    vmap_name = f"{CHUNKED} {compare_at} agents on {all_devices} devices"
-    ratios = {
-        "jit one agent / numpy loop": jit_rate / numpy_rate,
-        f"{vmap_name} / numpy loop": best / numpy_rate,
-        f"{vmap_name} / on 1 device": best / rate[(CHUNKED, 1, compare_at)],
-    }
-    if chunk:
-        ratios[f"{vmap_name} / {ALL_AT_ONCE}"] = best / rate[(ALL_AT_ONCE, all_devices, compare_at)]
-    if "agent_steps_per_s" in yardstick:
-        print(
-            f"  {'yardstick':<18} {1:>7} {YARDSTICK_AGENTS:>7} {YARDSTICK_STEPS:>10} "
-            f"{yardstick['agent_steps_per_s'] / 1e6:12.2f}   ({yardstick['command']})"
-        )
-        ratios[f"{vmap_name} / yardstick"] = best / yardstick["agent_steps_per_s"]
-    else:
-        print(f"  yardstick skipped: {yardstick['skipped']}")
-    for name, ratio in ratios.items():
-        print(f"  {name}: {ratio:.1f}x")
-    return {
-        "layout": config.layout,
-        "hparams": BENCHMARK_HPARAMS._asdict(),
-        "rows": rows,
-        "yardstick": yardstick,
-        "ratios": ratios,
-    }
-
-
-def plot_benchmark(bench: dict, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    vmapped = [r for r in bench["rows"] if r["method"] in (CHUNKED, ALL_AT_ONCE)]
-    series = sorted({(r["method"], r["devices"]) for r in vmapped})
-    for method, devices in series:
-        rows = [r for r in vmapped if (r["method"], r["devices"]) == (method, devices)]
-        ax.plot(
-            [r["agents"] for r in rows],
-            [r["agent_steps_per_s"] for r in rows],
-            "o-",
-            label=f"{method}, {devices} device{'s' if devices > 1 else ''}",
-        )
-    for row, marker in zip(bench["rows"][:2], ("s", "^"), strict=True):
-        ax.plot([1], [row["agent_steps_per_s"]], marker, ms=9, label=row["method"])
-    if "agent_steps_per_s" in bench["yardstick"]:
-        ax.plot(
-            [1024],
-            [bench["yardstick"]["agent_steps_per_s"]],
-            "kx",
-            ms=10,
-            label="articles' style (yardstick)",
-        )
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="agents",
-        ylabel="agent-steps / s",
-        title=f"Tabular Q-learning, {bench['layout']} GridWorld",
-    )
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------
-
-
-class SweepRun(NamedTuple):
-    result: TrainResult  # numpy arrays [grid, seeds, ...], padding dropped
-    compile_time: float
-    wall_time: float
-    padded_seeds: int
-    agents_per_chunk: int
-
-
-def run_sweep(config: Config, env: GridWorld) -> SweepRun:
-    """Compile and run the whole sweep as one call, printing progress as it goes."""
-    schedule = make_schedule(config)
-    num_grid = len(grid_points(config))
-    num_agents = num_grid * config.num_seeds
-    mesh = seed_mesh()
-    chunk = chunk_size(config, env.num_cells)
-    chunks, agents_in_chunk = device_chunks(config.num_seeds, mesh, num_grid, chunk)
-    print(f"per device: {chunks} chunk(s) of up to {agents_in_chunk} agents (--agents-per-chunk)")
-
-    # Progress: each device calls on_point after each curve point of each of its chunks.
-    total_calls = mesh.size * chunks * schedule.num_points
-    calls = itertools.count(1)  # next() on it is atomic: devices may call from two threads
-    every = max(1, total_calls // 10)
-    clock = {"start": 0.0}
-
-    def on_point(_) -> None:
-        call = next(calls)
-        if call % every == 0 or call == total_calls:
-            seconds = time.perf_counter() - clock["start"]
-            done = num_agents * schedule.total_steps * call / total_calls
-            print(f"  {call / total_calls:4.0%}  {seconds:6.2f}s  "
-                  f"{done / seconds / 1e6:7.1f}M agent-steps/s", flush=True)  # fmt: skip
-
-    sweep = make_device_sweep(make_train(config, on_point), mesh, num_grid, chunk)
-    keys = make_seed_keys(config.seed, config.num_seeds, mesh)
-    hparams = HParams(*(jnp.asarray(x) for x in hparam_grid(config)))
-    start = time.perf_counter()
-    compiled = sweep.lower(keys, hparams).compile()
-    compile_time = time.perf_counter() - start
-    print(f"compiled in {compile_time:.1f}s; training {schedule.total_steps} steps per agent")
-    start = clock["start"] = time.perf_counter()
-    result = jax.block_until_ready(compiled(keys, hparams))
-    wall_time = time.perf_counter() - start
-    # Drop the padded seeds; everything after this is [grid, seeds, ...] on the host.
-    result = jax.tree.map(lambda x: np.asarray(x)[:, : config.num_seeds], result)
-    return SweepRun(result, compile_time, wall_time, int(keys.shape[0]), chunk)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse prints usage + error on two lines; the project wants one line."""
-
-    def error(self, message: str):
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
+def fail(message: str, status: int = 2):  # one line, no traceback
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(status)
 
 
 def parse_float_list(text: str) -> tuple[float, ...]:
-    """'0.05,0.1,0.5' -> (0.05, 0.1, 0.5); empty or malformed items are an error."""
-    items = text.split(",")
-    if any(not item.strip() for item in items):
-        raise argparse.ArgumentTypeError(f"empty item in {text!r} (expected e.g. 0.05,0.1)")
+    """'0.05,0.1,0.5' -> (0.05, 0.1, 0.5); an empty or malformed item is an error."""
     try:
-        values = tuple(float(item) for item in items)
+        values = tuple(float(item) for item in text.split(","))  # float("") fails too
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a comma-separated list of numbers: {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"not a list of numbers like 0.05,0.1: {text!r}") from None
     if not all(math.isfinite(v) for v in values):
         raise argparse.ArgumentTypeError(f"values must be finite: {text!r}")
     return values
 
 
-def make_parser() -> OneLineParser:
-    parser = OneLineParser(description=__doc__.splitlines()[0])
+def read_layout(value: str) -> str:
+    """--layout: a built-in map's name, or a map file to read -> the map text."""
+    if value in LAYOUTS:
+        return LAYOUTS[value]
+    try:
+        return Path(value).read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        known = ", ".join(LAYOUTS)
+        raise argparse.ArgumentTypeError(
+            f"not a built-in layout ({known}) nor a file: {error}"
+        ) from None
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """Config from the command line: one --flag per field, its help and default shown."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.error = fail  # argparse's usage + error is two lines; one is enough
     for field in dataclasses.fields(Config):
-        name = "--" + field.name.replace("_", "-")
-        help_text = f"{field.metadata['help']} (default: {field.default})"
-        if field.type == "bool":
-            parser.add_argument(name, action="store_true", help=field.metadata["help"])
-        elif field.type == "tuple[float, ...]":
-            parser.add_argument(
-                name,
-                type=parse_float_list,
-                default=field.default,
-                help=help_text,
-                metavar="X,Y,...",
-            )
-        else:
-            kind = {"int": int, "float": float, "str": str}[field.type]
-            parser.add_argument(name, type=kind, default=field.default, help=help_text)
-    return parser
+        # Defaults as typed: argparse converts a string default like a typed value.
+        default, convert = field.default, field.type
+        if field.type == tuple[float, ...]:
+            default, convert = ",".join(f"{x:g}" for x in default), parse_float_list
+        elif field.name == "layout":
+            default, convert = "default", read_layout
+        flag = "--" + field.name.replace("_", "-")
+        parser.add_argument(flag, type=convert, default=default, help=field.metadata["help"])
+    try:
+        return Config(**vars(parser.parse_args(argv)))
+    except ValueError as error:
+        fail(str(error))
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = Config(**vars(make_parser().parse_args(argv)))
-    try:
-        env = validate(config)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
-
+    start = time.perf_counter()
+    config = parse_config(argv)
     schedule = make_schedule(config)
-    num_grid, num_devices = len(grid_points(config)), len(jax.devices())
+    try:
+        env = validate(config, schedule)
+    except ConfigError as error:
+        fail(str(error))
+    mesh = seed_mesh()
+    chunks = chunks_per_device(config, env, mesh)
+    num_grid = len(grid_points(config))
     num_agents = num_grid * config.num_seeds
     print(
-        f"{config.num_seeds} seeds x {num_grid} grid points = {num_agents} agents on "
-        f"{env.rows}x{env.cols} {config.layout!r}, {num_devices} device(s): {devices_info()}"
+        f"{plural(config.num_seeds, 'seed')} x {plural(num_grid, 'grid point')} = "
+        f"{plural(num_agents, 'agent')} on a {env.rows}x{env.cols} map, "
+        f"{plural(mesh.size, jax.default_backend() + ' device')}, "
+        f"{plural(chunks, 'chunk')} per device (--agents-per-chunk)"
     )
     if schedule.total_steps != config.total_timesteps:
-        print(
-            f"note: total_timesteps rounded up to {schedule.total_steps} = "
-            f"{schedule.num_points} curve points x {schedule.blocks_per_point} blocks x "
-            f"{schedule.block_steps} steps"
-        )
-    if config.num_seeds % num_devices:
-        print(f"note: seeds padded to a multiple of {num_devices} devices; padding is dropped")
+        print(f"note: --total-timesteps rounded up to {schedule.total_steps} (whole blocks)")
 
-    run = run_sweep(config, env)
-    rate = num_agents * schedule.total_steps / run.wall_time
-    print(f"trained in {run.wall_time:.2f}s: {rate / 1e6:.1f}M agent-steps/s")
-    result = run.result
-
+    result, timings = run_sweep(config, env, schedule, mesh, chunks)
+    rate = num_agents * schedule.total_steps / timings["train_time_s"]
+    print(
+        f"compile {timings['compile_time_s']:.1f} s, train {timings['train_time_s']:.2f} s: "
+        f"{rate / 1e6:.1f}M agent-steps/s ({schedule.total_steps} steps per agent)"
+    )
     rows = summarize_grid(config, env, result)
-    print(f"{'lr':>6} {'eps':>6} {'gamma':>6} {'optimal':>8} {'path':>7} {'|V(S)-V*(S)|':>13}")
     # optimal: fraction of seeds whose final greedy path is a shortest path
+    print(f"{'lr':>6} {'eps':>6} {'gamma':>6} {'optimal':>8} {'path':>7} {'|V(S)-V*(S)|':>13}")
     for row in rows:
         print(
             f"{row['learning_rate']:6g} {row['epsilon']:6g} {row['gamma']:6g} "
@@ -1142,45 +761,30 @@ def main(argv: list[str] | None = None) -> None:
             f"{row['start_value_abs_error']['mean']:13.4f}"
         )
 
-    bench = None
-    if config.benchmark:
-        print(f"benchmark (agent-steps/s, compile excluded, median of {config.benchmark_repeats}):")
-        bench = run_benchmark(config, env)
-
     output = Path(config.output_dir)
     try:
         output.mkdir(parents=True, exist_ok=True)
     except OSError as error:  # validate() checked what it could; the OS has the last word
-        print(f"error: --output-dir: cannot create {config.output_dir!r}: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        fail(f"--output-dir: cannot create {config.output_dir!r}: {error}")
+    plot_heatmap(config, rows, output / "sweep_heatmap.png")
+    plot_curves(config, env, schedule, result, output / "learning_curves.png")
     summary = {
         "config": dataclasses.asdict(config),
         "versions": versions(),
-        "devices": devices_info(),
+        "devices": [f"{d.platform}:{d.id} {d.device_kind}" for d in jax.devices()],
         "num_agents": num_agents,
-        "seeds_padded_to": run.padded_seeds,  # a multiple of the device count
-        "agents_per_chunk": run.agents_per_chunk,  # per device, chunk after chunk; 0: all at once
+        "chunks_per_device": chunks,  # run one after another, each a make_sweep call
         "steps_per_agent": schedule.total_steps,
-        "wall_time_s": run.wall_time,
-        "compile_time_s": run.compile_time,
+        **timings,
         "agent_steps_per_s": rate,
+        "wall_time_s": time.perf_counter() - start,  # the whole command, but this write
         "grid": rows,
     }
     (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_heatmap(config, rows, output / "sweep_heatmap.png")
-    plot_curves(config, env, result, output / "learning_curves.png")
-    written = ["summary.json", "sweep_heatmap.png", "learning_curves.png"]
-    if bench is not None:
-        bench = {
-            "config": summary["config"],
-            "versions": summary["versions"],
-            "devices": summary["devices"],
-            **bench,
-        }
-        (output / "benchmark.json").write_text(json.dumps(bench, indent=2) + "\n")
-        plot_benchmark(bench, output / "benchmark.png")
-        written += ["benchmark.json", "benchmark.png"]
-    print(f"wrote {', '.join(written)} to {output}/")
+    print(
+        f"wrote summary.json, sweep_heatmap.png, learning_curves.png to {output}/, "
+        f"wall {summary['wall_time_s']:.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """Tests for parallel_q_learning.py: vmap/sharding equivalences, optimality against value
-iteration, list parsing, memory refusal, CLI errors and one small CLI run with --benchmark."""
+iteration, list parsing, memory refusal, CLI errors, one small CLI run, and
+benchmarks/parallel_q_learning.py at a tiny size."""
 
+import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
@@ -14,6 +17,16 @@ import pytest
 import parallel_q_learning as pq
 
 SCRIPT = Path(pq.__file__)
+BENCHMARK = SCRIPT.parent / "benchmarks" / "parallel_q_learning.py"
+
+
+def load_benchmark():
+    """The benchmark module under another name: it is also called parallel_q_learning."""
+    spec = importlib.util.spec_from_file_location("benchmark_parallel_q_learning", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 # Tiny but real: 2 x 2 grid, 3 seeds (odd, so 2 devices need padding), 5 curve points.
 SMALL = pq.Config(
@@ -92,17 +105,38 @@ def test_sharded_over_two_devices_matches_one_device(small):
     assert_results_equal(jax.tree.map(lambda x: x[:, : SMALL.num_seeds], two), one)
 
 
-@pytest.mark.parametrize("agents_per_chunk", [4, 0])  # 4: 1 seed x 4 grid points per chunk
-def test_device_sweep_in_chunks_equals_nested_vmap(small, agents_per_chunk):
+@pytest.mark.parametrize("agents_per_chunk", [4, 12])  # 4: 1 seed x 4 grid points per chunk
+def test_sharded_sweep_in_chunks_equals_one_sweep(small, agents_per_chunk):
     mesh = pq.seed_mesh()
-    keys = pq.make_seed_keys(3, 5, mesh)  # 6 padded seeds: 3 per device, 3 chunks each
-    device_sweep = pq.make_device_sweep(small["train"], mesh, 4, agents_per_chunk)
-    result = device_sweep(keys, small["grid"])
+    config = dataclasses.replace(SMALL, num_seeds=5, agents_per_chunk=agents_per_chunk)
+    chunks = pq.chunks_per_device(config, pq.make_env(config.layout), mesh)
+    assert chunks == (3 if agents_per_chunk == 4 else 1)  # 3 seeds x 4 grid points a device
+    keys = pq.make_seed_keys(3, 5, mesh, chunks)  # 6 padded seeds: 3 per device
+    sharded = pq.shard_sweep(small["sweep"], mesh, chunks)
+    result = sharded(keys, small["grid"])
     assert result.q_table.shape == (4, 6, 8, 12, 4)
     assert len(result.q_table.sharding.device_set) == 2
     assert_results_equal(result, small["sweep"](keys, small["grid"]))
-    expected = (3, 4) if agents_per_chunk else (1, 12)  # (chunks, agents in a full chunk)
-    assert pq.device_chunks(5, mesh, 4, agents_per_chunk) == expected
+
+
+def test_flat_sweep_equals_nested_vmap(small):
+    """make_sweep's flat agent axis computes what the nested vmap of the idea computes."""
+    train = small["train"]
+    nested = jax.jit(jax.vmap(jax.vmap(train, in_axes=(0, None)), in_axes=(None, 0)))
+    assert_results_equal(
+        small["sweep"](small["keys"], small["grid"]), nested(small["keys"], small["grid"])
+    )
+
+
+def test_cache_sized_chunks_on_cpu():
+    """--agents-per-chunk 0 on a CPU: about 256 default-map tables a chunk, whole seeds."""
+    mesh, env = pq.seed_mesh(), pq.make_env(pq.DEFAULT_LAYOUT)
+    one_setting = {"learning_rates": (0.1,), "epsilons": (0.1,)}
+    assert pq.chunks_per_device(pq.Config(num_seeds=4096, **one_setting), env, mesh) == 8
+    assert pq.chunks_per_device(pq.Config(num_seeds=64), env, mesh) == 1  # 288 agents a device
+    # 9 seeds a device, 4 chunks of 3: no chunk is all padding.
+    config = pq.Config(num_seeds=18, agents_per_chunk=20)
+    assert pq.chunks_per_device(config, env, mesh) == 3
 
 
 def test_memory_does_not_grow_with_total_timesteps():
@@ -148,7 +182,7 @@ def value_iteration_from_text(text: str, gamma: float):
 def test_greedy_policy_is_optimal_at_good_settings(layout, shortest):
     gamma = 0.9
     config = pq.Config(
-        layout=layout, total_timesteps=150_000, num_seeds=8, num_curve_points=10,
+        layout=pq.LAYOUTS[layout], total_timesteps=150_000, num_seeds=8, num_curve_points=10,
         learning_rates=(0.5,), epsilons=(0.3,), gammas=(gamma,),
     )  # fmt: skip
     keys = pq.make_seed_keys(config.seed, config.num_seeds, pq.seed_mesh())
@@ -157,7 +191,7 @@ def test_greedy_policy_is_optimal_at_good_settings(layout, shortest):
     q_star, start, goal, move = value_iteration_from_text(pq.LAYOUTS[layout], gamma)
     assert q_star[start].max() == pytest.approx(gamma ** (shortest - 1))
     # The script's own value iteration agrees with this one.
-    env = pq.make_env(layout)
+    env = pq.make_env(pq.LAYOUTS[layout])
     np.testing.assert_allclose(pq.value_iteration(env, gamma).reshape(q_star.shape), q_star)
     for q in np.asarray(result.q_table[0]):  # [rows, cols, actions] per seed
         cell, steps = start, 0
@@ -171,8 +205,8 @@ def test_greedy_policy_is_optimal_at_good_settings(layout, shortest):
 
 
 def test_numpy_reference_loop_learns_the_same_values():
-    env = pq.make_env("default")
-    q = pq.numpy_q_learning(env, pq.HParams(0.5, 0.3, 0.9), steps=20_000, seed=0)
+    env = pq.make_env(pq.DEFAULT_LAYOUT)
+    q = load_benchmark().numpy_q_learning(env, pq.HParams(0.5, 0.3, 0.9), steps=20_000, seed=0)
     assert q[env.start].max() == pytest.approx(0.9**17, abs=1e-3)  # V*(S) = gamma^(18 - 1)
 
 
@@ -193,7 +227,7 @@ def test_summary_checks_each_grid_point_against_value_iteration(small):
 
 
 def test_env_terminates_at_goal_truncates_and_resets():
-    env = pq.make_env("default", max_episode_steps=3)
+    env = pq.make_env(pq.DEFAULT_LAYOUT, max_episode_steps=3)
     one_left_of_goal = pq.EnvState(cell=jnp.int32(1), time=jnp.int32(0))
     obs, state, reward, terminated, truncated, info = env.step(None, one_left_of_goal, 2)
     assert (int(info["final_observation"]), float(reward), bool(terminated)) == (env.goal, 1, True)
@@ -225,11 +259,9 @@ def test_epsilon_greedy_breaks_ties_uniformly_and_explores():
         ("S#.\n##G", "cannot be reached"),
     ],
 )
-def test_bad_maps_are_refused(tmp_path, text, message):
-    path = tmp_path / "map.txt"
-    path.write_text(text)
+def test_bad_maps_are_refused(text, message):
     with pytest.raises(pq.LayoutError, match=message):
-        pq.make_env(str(path))
+        pq.make_env(text)
 
 
 # --- command line ------------------------------------------------------------------------------
@@ -244,7 +276,8 @@ def test_parse_float_list():
 
 def test_memory_refusal_names_the_flag():
     with pytest.raises(pq.ConfigError, match="--num-seeds: .* GB"):
-        pq.validate(pq.Config(num_seeds=10**9))
+        config = pq.Config(num_seeds=10**9)
+        pq.validate(config, pq.make_schedule(config))
 
 
 @pytest.mark.parametrize(
@@ -261,7 +294,8 @@ def test_memory_refusal_names_the_flag():
         (["--num-seeds", "1000000000"], "--num-seeds"),
         (["--num-seeds", "many"], "--num-seeds"),
         (["--no-such-flag"], "--no-such-flag"),
-        (["--benchmark-max-agents", "0"], "--benchmark-max-agents"),
+        (["--layout", "/no/such/map.txt"], "--layout"),
+        (["--agents-per-chunk", "-1"], "--agents-per-chunk"),
     ],
 )
 def test_cli_errors_are_one_line_and_write_nothing(tmp_path, capsys, argv, flag):
@@ -301,22 +335,49 @@ def test_cli_error_in_a_fresh_process_has_no_traceback(tmp_path):
     assert not output.exists()
 
 
-def test_cli_happy_path_with_tiny_benchmark(tmp_path):
+def test_cli_happy_path(tmp_path):
     output = tmp_path / "run"
     argv = [
         sys.executable, str(SCRIPT), "--output-dir", str(output), "--num-seeds", "3",
         "--total-timesteps", "2000", "--learning-rates", "0.1,0.5", "--epsilons", "0.1",
-        "--benchmark", "--benchmark-max-agents", "4", "--benchmark-seconds", "0.02",
-        "--benchmark-repeats", "1", "--yardstick", "",
     ]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "agent-steps/s" in done.stdout
+    assert "agent-steps/s" in done.stdout and "3 seeds x 2 grid points" in done.stdout
     summary = json.loads((output / "summary.json").read_text())
     for key in ("config", "versions", "devices", "wall_time_s", "compile_time_s"):
         assert key in summary
     assert summary["agent_steps_per_s"] > 0 and len(summary["devices"]) == 2
     assert [(r["learning_rate"], r["epsilon"]) for r in summary["grid"]] == [(0.1, 0.1), (0.5, 0.1)]
+    for name in ("sweep_heatmap.png", "learning_curves.png"):
+        assert (output / name).stat().st_size > 0
+
+
+def test_help_shows_defaults_as_typed(capsys):
+    with pytest.raises(SystemExit):
+        pq.parse_config(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "(default: 0.05,0.1,0.5)" in help_text and "(default: default)" in help_text
+    assert "(0.05" not in help_text and "G..." not in help_text
+
+
+def test_benchmark_bad_flag_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_benchmark().main(["--max-agents", "0"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "--max-agents" in err, err
+
+
+def test_benchmark_runs_at_a_tiny_size(tmp_path):
+    output = tmp_path / "bench"
+    argv = [
+        sys.executable, str(BENCHMARK), "--output-dir", str(output), "--max-agents", "4",
+        "--agent-steps", "4000", "--numpy-steps", "200", "--repeats", "1",
+        "--yardstick-timesteps", "100", "--yardstick-agents", "4",
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "/ yardstick:" in done.stdout, done.stdout
     bench = json.loads((output / "benchmark.json").read_text())
     methods = {(r["method"], r["devices"], r["agents"]) for r in bench["rows"]}
     assert {
@@ -326,7 +387,7 @@ def test_cli_happy_path_with_tiny_benchmark(tmp_path):
         ("vmap, chunks", 2, 4),
         ("vmap, all at once", 2, 4),
     } <= methods
-    assert "skipped" in bench["yardstick"]
+    assert bench["yardstick"]["agent_steps_per_s"] > 0
     assert any("on 1 device" in name for name in bench["ratios"])
-    for name in ("sweep_heatmap.png", "learning_curves.png", "benchmark.png"):
-        assert (output / name).stat().st_size > 0
+    assert any(name.endswith("/ yardstick") for name in bench["ratios"])
+    assert (output / "benchmark.png").stat().st_size > 0
