@@ -1,155 +1,113 @@
 """DQN on CartPole-v1 for many seeds at once, in one compiled call (PureJaxRL style).
 
-    python dqn_cartpole.py --num-seeds 512          # train 512 independent agents
-    python dqn_cartpole.py --load runs/dqn_cartpole --render   # re-evaluate, GIF
+    python dqn_cartpole.py --num-seeds 512                     # train 512 independent agents
+    python dqn_cartpole.py --load runs/dqn_cartpole --render   # re-evaluate them, write a GIF
 
-The whole experiment (acting, replay buffer, updates, target network, greedy
-evaluation) is one pure function `train(key)`; `jax.vmap` runs it for every seed
-and `jax.sharding` spreads the seeds over every device. The file reads top to bottom:
-config, environment, network, replay buffer, agent, train, evaluation, reporting,
-command line.
+The whole experiment (acting, replay buffer, updates, target network, greedy evaluation) is
+one pure function from a key to params and metrics. Seed i trains on fold_in(key(seed), i):
+
+    train = make_train(Config())
+    keys = jax.vmap(partial(jax.random.fold_in, jax.random.key(0)))(jnp.arange(512))
+    out = jax.jit(jax.vmap(train))(keys)  # {"params": [512, ...], "metrics": [512, evals]}
+
+Above the appendix line: that reference, complete on its own. Below: running it sharded, reports.
 """
 
-from __future__ import annotations
-
+import dataclasses
+import math
 import os
-import sys
+from functools import partial
+from typing import Any, NamedTuple
 
-# Before jax is imported: show every CPU core to XLA as its own device, so the
-# seed axis is sharded over all cores (a CPU runs one device on one core for this
-# workload). It only shapes the CPU platform; a user-set XLA_FLAGS wins.
+# Show every CPU core to JAX as its own device, so the seeds are sharded over all cores. Only
+# when the user has not set XLA_FLAGS, and before jax is imported; a GPU run is unaffected.
 if "XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={os.cpu_count() or 1}"
 
-import argparse
-import dataclasses
-import json
-import math
-import platform
-import time
-from dataclasses import dataclass, field
-from functools import partial
-from pathlib import Path
-from typing import Any, NamedTuple
-
 import distrax
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-# ----------------------------------------------------------------------------------------
-# Config
-# ----------------------------------------------------------------------------------------
 
 
-def param(default: Any, help: str) -> Any:
-    """A config field whose help text becomes its --flag's help."""
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass(frozen=True)
-class Config:
-    total_timesteps: int = param(50_000, "environment steps per seed")
-    num_seeds: int = param(1, "independent agents trained at once (vmapped, sharded)")
-    seed: int = param(0, "base seed; seed i of a run uses fold_in(key(seed), i)")
-    learning_rate: float = param(2.5e-3, "Adam step size at the start of training")
-    anneal_lr: bool = param(True, "decay the step size linearly to 0: freezes a good policy")
-    # 0.995, not 0.99: a policy that keeps the pole up can still let the cart drift off the
-    # track hundreds of steps later, which 0.99 hardly sees (0.99^300 = 0.05). Swept in README.
-    gamma: float = param(0.995, "discount factor")
-    # Small on purpose: fresh data beat old data here. 512 seeds solved 92% with 5000 and
-    # 81% with 10000; 20000 and 25000 did worse still in smaller sweeps (README).
-    buffer_size: int = param(5_000, "replay buffer capacity (transitions per seed)")
-    batch_size: int = param(32, "transitions per gradient update")
-    hidden_sizes: tuple[int, ...] = param((64, 64), "MLP hidden widths, e.g. 64,64")
-    layer_norm: bool = param(True, "LayerNorm after each hidden Dense: keeps Q from diverging")
-    train_frequency: int = param(4, "environment steps per gradient update")
-    learning_starts: int = param(1_000, "environment steps before the first update")
-    target_update_interval: int = param(4, "environment steps between target updates")
-    tau: float = param(0.1, "target update weight: 1 copies the online net, <1 is Polyak")
-    max_grad_norm: float = param(10.0, "clip gradients to this global norm")
-    epsilon_start: float = param(1.0, "exploration rate at step 0")
-    epsilon_end: float = param(0.05, "exploration rate after the linear decay")
-    exploration_fraction: float = param(0.1, "share of total_timesteps the decay lasts")
-    double_dqn: bool = param(True, "Double DQN target: online net picks, target net rates")
-    eval_every: int = param(5_000, "environment steps between greedy evaluations")
-    eval_episodes: int = param(10, "fresh episodes per greedy evaluation (epsilon 0)")
-    env: str = param("cartpole", "cartpole (ours) or gymnax (gymnax.make('CartPole-v1'))")
-    output_dir: str = param("runs/dqn_cartpole", "where summary, figures and params go")
+# ---- Config --------------------------------------------------------------------------------
+def option(default: Any, help: str) -> Any:
+    """A Config field whose help text becomes its --flag's help."""
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 ENVS = ("cartpole", "gymnax")
-SOLVED_RETURN = 475.0  # Gymnasium's reward_threshold for CartPole-v1
 MAX_EVAL_POINTS = 1_000  # bounds the metrics memory: points per learning curve
 
 
-def block_steps(config: Config) -> int:
-    """Environment steps between evaluations (a small budget gets one block)."""
-    return min(config.eval_every, config.total_timesteps)
+@dataclasses.dataclass(frozen=True)
+class Config:
+    total_timesteps: int = option(50_000, "environment steps per seed")
+    num_seeds: int = option(1, "independent agents trained at once (vmapped, sharded)")
+    seed: int = option(0, "base seed; seed i of a run uses fold_in(key(seed), i)")
+    learning_rate: float = option(2.5e-3, "Adam step size at the start of training")
+    anneal_lr: bool = option(True, "decay the step size linearly to 0: freezes a good policy")
+    # 0.995, not 0.99: a policy that keeps the pole up can still let the cart drift off the
+    # track hundreds of steps later, which 0.99 hardly sees (0.99^300 = 0.05).
+    gamma: float = option(0.995, "discount factor")
+    # Small on purpose: fresh data beat old data here (measured: see README).
+    buffer_size: int = option(5_000, "replay buffer capacity (transitions per seed)")
+    batch_size: int = option(32, "transitions per gradient update")
+    hidden_sizes: tuple[int, ...] = option((64, 64), "MLP hidden widths, e.g. 64,64")
+    layer_norm: bool = option(True, "LayerNorm after each hidden Dense: keeps Q from diverging")
+    train_frequency: int = option(4, "environment steps per gradient update")
+    learning_starts: int = option(1_000, "environment steps before the first update")
+    target_update_interval: int = option(4, "environment steps between target updates")
+    tau: float = option(0.1, "target update weight: 1 copies the online net, <1 is Polyak")
+    max_grad_norm: float = option(10.0, "clip gradients to this global norm")
+    epsilon_start: float = option(1.0, "exploration rate at step 0")
+    epsilon_end: float = option(0.05, "exploration rate after the linear decay")
+    exploration_fraction: float = option(0.1, "share of total_timesteps the decay lasts")
+    double_dqn: bool = option(True, "Double DQN target: online net picks, target net rates")
+    eval_every: int = option(5_000, "environment steps between greedy evaluations")
+    eval_episodes: int = option(10, "fresh episodes per greedy evaluation (epsilon 0)")
+    env: str = option("cartpole", "cartpole (ours) or gymnax (gymnax.make('CartPole-v1'))")
+    output_dir: str = option("runs/dqn_cartpole", "where summary, figures and params go")
+
+    @property
+    def block_steps(self) -> int:
+        """Environment steps between evaluations (a small budget gets one block)."""
+        return min(self.eval_every, self.total_timesteps)
+
+    def __post_init__(self):
+        """Raise ValueError('--flag problem') for the first bad value."""
+        positive = ("total_timesteps", "num_seeds", "buffer_size", "batch_size")
+        positive += ("train_frequency", "target_update_interval", "eval_every", "eval_episodes")
+        checks = [(name, getattr(self, name) >= 1, "must be >= 1") for name in positive]
+        widths_ok = len(self.hidden_sizes) > 0 and min(self.hidden_sizes) >= 1
+        # max(1, ...): no division by a bad value before that value's own check fails.
+        steps, block = self.total_timesteps, max(1, self.block_steps)
+        updates_fit = block % max(1, self.train_frequency) == 0
+        few_evals = steps // block <= MAX_EVAL_POINTS
+        checks += [
+            ("hidden_sizes", widths_ok, "needs one or more widths >= 1, e.g. 64,64"),
+            ("learning_starts", self.learning_starts >= 0, "must be >= 0"),
+            ("learning_rate", self.learning_rate > 0, "must be > 0"),
+            ("max_grad_norm", self.max_grad_norm > 0, "must be > 0"),
+            ("tau", 0 < self.tau <= 1, "must be in (0, 1]"),
+            ("gamma", 0 <= self.gamma < 1, "must be in [0, 1)"),
+            ("epsilon_start", 0 <= self.epsilon_start <= 1, "must be in [0, 1]"),
+            ("epsilon_end", 0 <= self.epsilon_end <= 1, "must be in [0, 1]"),
+            ("exploration_fraction", 0 < self.exploration_fraction <= 1, "must be in (0, 1]"),
+            ("batch_size", self.batch_size <= self.buffer_size, "must be <= --buffer-size"),
+            ("env", self.env in ENVS, f"unknown env {self.env!r}; choose from {ENVS}"),
+            ("total_timesteps", steps % block == 0, "must be a multiple of --eval-every"),
+            ("eval_every", updates_fit, "must be a multiple of --train-frequency"),
+            ("eval_every", few_evals, f"is too small: more than {MAX_EVAL_POINTS} evaluations"),
+        ]
+        for name, ok, problem in checks:
+            if not ok:
+                raise ValueError(f"--{name.replace('_', '-')} {problem}")
 
 
-def validate(config: Config) -> None:
-    """Raise ValueError('--flag: problem') for the first bad value."""
-    positive_ints = ("total_timesteps", "num_seeds", "buffer_size", "batch_size")
-    positive_ints += ("train_frequency", "target_update_interval", "eval_every")
-    positive_ints += ("eval_episodes",)
-    checks = [
-        (f"--{n.replace('_', '-')}", getattr(config, n) >= 1, "must be >= 1") for n in positive_ints
-    ]
-    checks += [
-        (
-            "--hidden-sizes",
-            len(config.hidden_sizes) > 0 and min(config.hidden_sizes) >= 1,
-            "needs one or more widths >= 1, e.g. 64,64",
-        ),
-        ("--learning-starts", config.learning_starts >= 0, "must be >= 0"),
-        ("--learning-rate", config.learning_rate > 0, "must be > 0"),
-        ("--max-grad-norm", config.max_grad_norm > 0, "must be > 0"),
-        ("--tau", 0 < config.tau <= 1, "must be in (0, 1]"),
-        ("--gamma", 0 <= config.gamma < 1, "must be in [0, 1)"),
-        ("--epsilon-start", 0 <= config.epsilon_start <= 1, "must be in [0, 1]"),
-        ("--epsilon-end", 0 <= config.epsilon_end <= 1, "must be in [0, 1]"),
-        ("--exploration-fraction", 0 < config.exploration_fraction <= 1, "must be in (0, 1]"),
-        (
-            "--batch-size",
-            config.batch_size <= config.buffer_size,
-            f"({config.batch_size}) must be <= --buffer-size ({config.buffer_size})",
-        ),
-        ("--env", config.env in ENVS, f"unknown env {config.env!r}; choose from {ENVS}"),
-    ]
-    for flag, ok, problem in checks:
-        if not ok:
-            raise ValueError(f"{flag} {problem}")
-    block = block_steps(config)
-    if config.total_timesteps % block:
-        raise ValueError(
-            f"--total-timesteps ({config.total_timesteps}) must be a multiple "
-            f"of --eval-every ({config.eval_every})"
-        )
-    if block % config.train_frequency:
-        raise ValueError(
-            f"--eval-every ({block}) must be a multiple of --train-frequency "
-            f"({config.train_frequency})"
-        )
-    if config.total_timesteps // block > MAX_EVAL_POINTS:
-        raise ValueError(
-            f"--eval-every is too small: at most {MAX_EVAL_POINTS} evaluations per run"
-        )
-    output = Path(config.output_dir)
-    if output.exists() and not output.is_dir():
-        raise ValueError(f"--output-dir {output} exists and is not a folder")
-
-
-# ----------------------------------------------------------------------------------------
-# Environment: CartPole-v1, as Gymnasium defines it, with gymnax 1.0's API
-# ----------------------------------------------------------------------------------------
-
-
+# ---- Environment: CartPole-v1 as Gymnasium defines it, with gymnax 1.0's API ------------
 @struct.dataclass
 class EnvState:
     x: jax.Array  # cart position (m)
@@ -161,7 +119,7 @@ class EnvState:
 
 @struct.dataclass
 class EnvParams:
-    # Gymnasium's classic_control/cartpole.py constants; derived ones are derived.
+    # Gymnasium's classic_control/cartpole.py constants (the derived ones derived in step).
     gravity: float = 9.8
     masscart: float = 1.0
     masspole: float = 0.1
@@ -172,14 +130,6 @@ class EnvParams:
     x_threshold: float = 2.4
     max_steps_in_episode: int = 500  # the TimeLimit of CartPole-v1
     reset_bound: float = 0.05  # reset draws every state variable from U(-0.05, 0.05)
-
-    @property
-    def total_mass(self) -> float:
-        return self.masspole + self.masscart
-
-    @property
-    def polemass_length(self) -> float:
-        return self.masspole * self.length
 
 
 class CartPole:
@@ -192,35 +142,28 @@ class CartPole:
     """
 
     num_actions = 2
-    obs_size = 4
-
-    @property
-    def default_params(self) -> EnvParams:
-        return EnvParams()
+    default_params = EnvParams()
 
     def reset(self, key: jax.Array, params: EnvParams | None = None):
-        params = self.default_params if params is None else params
-        x, x_dot, theta, theta_dot = jax.random.uniform(
-            key, (self.obs_size,), minval=-params.reset_bound, maxval=params.reset_bound
-        )
+        p = self.default_params if params is None else params
+        bound = p.reset_bound
+        x, x_dot, theta, theta_dot = jax.random.uniform(key, (4,), minval=-bound, maxval=bound)
         state = EnvState(x=x, x_dot=x_dot, theta=theta, theta_dot=theta_dot, time=jnp.int32(0))
         return self.observe(state), state
 
     def observe(self, state: EnvState) -> jax.Array:
         return jnp.stack([state.x, state.x_dot, state.theta, state.theta_dot])
 
-    def step(
-        self, key: jax.Array, state: EnvState, action: jax.Array, params: EnvParams | None = None
-    ):
-        params = self.default_params if params is None else params
-        p = params
+    def step(self, key: jax.Array, state: EnvState, action, params: EnvParams | None = None):
+        p = self.default_params if params is None else params
+        total_mass, polemass_length = p.masspole + p.masscart, p.masspole * p.length
         force = jnp.where(action == 1, p.force_mag, -p.force_mag)
         cos, sin = jnp.cos(state.theta), jnp.sin(state.theta)
-        temp = (force + p.polemass_length * state.theta_dot**2 * sin) / p.total_mass
+        temp = (force + polemass_length * state.theta_dot**2 * sin) / total_mass
         theta_acc = (p.gravity * sin - cos * temp) / (
-            p.length * (4.0 / 3.0 - p.masspole * cos**2 / p.total_mass)
+            p.length * (4.0 / 3.0 - p.masspole * cos**2 / total_mass)
         )
-        x_acc = temp - p.polemass_length * theta_acc * cos / p.total_mass
+        x_acc = temp - polemass_length * theta_acc * cos / total_mass
         # Euler: positions move with the old velocities (Gymnasium's default integrator).
         stepped = EnvState(
             x=state.x + p.tau * state.x_dot,
@@ -229,60 +172,19 @@ class CartPole:
             theta_dot=state.theta_dot + p.tau * theta_acc,
             time=state.time + 1,
         )
-        terminated = (jnp.abs(stepped.x) > p.x_threshold) | (
-            jnp.abs(stepped.theta) > p.theta_threshold_radians
-        )
+        pole_fell = jnp.abs(stepped.theta) > p.theta_threshold_radians
+        terminated = pole_fell | (jnp.abs(stepped.x) > p.x_threshold)  # or the cart left
         truncated = stepped.time >= p.max_steps_in_episode
         reward = jnp.float32(1.0)  # Gymnasium pays 1 on every step, the terminating one too
-
         final_obs = self.observe(stepped)
         reset_obs, reset_state = self.reset(key, params)
         done = terminated | truncated
         state = jax.tree.map(lambda r, s: jnp.where(done, r, s), reset_state, stepped)
         obs = jnp.where(done, reset_obs, final_obs)
-        info = {"final_observation": final_obs}
-        return obs, state, reward, terminated, truncated, info
+        return obs, state, reward, terminated, truncated, {"final_observation": final_obs}
 
 
-class GymnaxCartPole:
-    """gymnax.make('CartPole-v1') behind the same API as `CartPole`.
-
-    gymnax 1.0.1 already returns (obs, state, reward, terminated, truncated, info)
-    with auto-reset and info["final_observation"]; it only wants its params passed
-    explicitly, and its reward is 1.0 on every step like Gymnasium's.
-    """
-
-    num_actions = 2
-    obs_size = 4
-
-    def __init__(self):
-        import gymnax  # imported here: only `--env gymnax` needs it
-
-        self.env, self.env_params = gymnax.make("CartPole-v1")
-
-    @property
-    def default_params(self):
-        return self.env_params
-
-    def reset(self, key: jax.Array, params=None):
-        return self.env.reset(key, self.env_params if params is None else params)
-
-    def step(self, key: jax.Array, state, action: jax.Array, params=None):
-        params = self.env_params if params is None else params
-        obs, state, reward, terminated, truncated, info = self.env.step(key, state, action, params)
-        info = {"final_observation": info["final_observation"]}
-        return obs, state, reward.astype(jnp.float32), terminated, truncated, info
-
-
-def make_env(name: str) -> CartPole | GymnaxCartPole:
-    return GymnaxCartPole() if name == "gymnax" else CartPole()
-
-
-# ----------------------------------------------------------------------------------------
-# Network
-# ----------------------------------------------------------------------------------------
-
-
+# ---- Network -------------------------------------------------------------------------------
 class QNetwork(nn.Module):
     """MLP from an observation to one Q-value per action."""
 
@@ -301,11 +203,7 @@ class QNetwork(nn.Module):
         return nn.Dense(self.num_actions)(x)
 
 
-# ----------------------------------------------------------------------------------------
-# Replay buffer: pure functions over fixed-size arrays
-# ----------------------------------------------------------------------------------------
-
-
+# ---- Replay buffer: pure functions over fixed-size arrays ----------------------------------
 class Transition(NamedTuple):
     obs: jax.Array  # [..., obs]
     action: jax.Array  # [...] int32
@@ -335,11 +233,8 @@ def buffer_add(buffer: Buffer, transition: Transition) -> Buffer:
     """Write one transition over the oldest slot."""
     capacity = buffer.data.reward.shape[0]
     data = jax.tree.map(lambda d, x: d.at[buffer.pointer].set(x), buffer.data, transition)
-    return Buffer(
-        data=data,
-        pointer=(buffer.pointer + 1) % capacity,
-        size=jnp.minimum(buffer.size + 1, capacity),
-    )
+    pointer = (buffer.pointer + 1) % capacity
+    return Buffer(data=data, pointer=pointer, size=jnp.minimum(buffer.size + 1, capacity))
 
 
 def buffer_sample(buffer: Buffer, key: jax.Array, batch_size: int) -> Transition:
@@ -348,11 +243,7 @@ def buffer_sample(buffer: Buffer, key: jax.Array, batch_size: int) -> Transition
     return jax.tree.map(lambda d: d[idx], buffer.data)  # [batch, ...]
 
 
-# ----------------------------------------------------------------------------------------
-# Agent: act, target, loss, update
-# ----------------------------------------------------------------------------------------
-
-
+# ---- Agent: act, target, loss, greedy episodes ---------------------------------------------
 class AgentState(NamedTuple):
     params: Any
     target_params: Any
@@ -364,9 +255,7 @@ def epsilon_greedy(key: jax.Array, q_values: jax.Array, epsilon: jax.Array) -> j
     return distrax.EpsilonGreedy(q_values, epsilon).sample(seed=key)
 
 
-def td_target(
-    reward, terminated, next_q_target, next_q_online, gamma: float, double_dqn: bool
-) -> jax.Array:
+def td_target(reward, terminated, next_q_target, next_q_online, gamma: float, double_dqn: bool):
     """r + gamma * Q(s', a') unless s' is terminal. A truncated s' still bootstraps:
     the time limit is not part of the task, the pole was still up."""
     if double_dqn:  # van Hasselt et al. 2016: the online net picks, the target net rates
@@ -377,55 +266,43 @@ def td_target(
     return reward + gamma * (1.0 - terminated) * next_value
 
 
-def dqn_loss(
-    params, target_params, apply_fn, batch: Transition, gamma: float, double_dqn: bool
-) -> jax.Array:
+def dqn_loss(params, target_params, apply_fn, batch: Transition, gamma: float, double_dqn: bool):
     """Huber loss between Q(s, a) and the (constant) TD target, over the batch."""
     q = apply_fn(params, batch.obs)  # [batch, actions]
     q_taken = jnp.take_along_axis(q, batch.action[:, None], axis=-1)[:, 0]  # [batch]
     next_q_online = apply_fn(params, batch.next_obs) if double_dqn else None
+    next_q_target = apply_fn(target_params, batch.next_obs)
     target = td_target(
-        batch.reward,
-        batch.terminated,
-        apply_fn(target_params, batch.next_obs),
-        next_q_online,
-        gamma,
-        double_dqn,
+        batch.reward, batch.terminated, next_q_target, next_q_online, gamma, double_dqn
     )
     # Huber, not squared error: a few large TD errors early on do not blow up the net.
     return jnp.mean(optax.huber_loss(q_taken, jax.lax.stop_gradient(target)))
 
 
-def evaluate(key: jax.Array, params, env, network: QNetwork, num_episodes: int) -> jax.Array:
-    """Mean return of `num_episodes` fresh greedy (epsilon 0) episodes, run side by side.
-
-    Every episode runs the full time limit; steps after an episode's end are masked.
-    """
+def greedy_episodes(key, params, env, network: QNetwork, num_episodes: int, keep_obs=False):
+    """Returns [episodes] of fresh greedy (epsilon 0) episodes run side by side, each for the
+    full time limit with the steps after its end masked; `keep_obs`: also (obs, alive), each
+    [steps, episodes, ...], to draw them."""
     obs, state = jax.vmap(env.reset)(jax.random.split(key, num_episodes))  # [episodes, obs]
+    # One key for every episode's step: it only seeds the auto-resets after an episode's
+    # end, which we never look at.
+    step = jax.vmap(env.step, in_axes=(None, 0, 0))
 
     def eval_step(carry, _):
         obs, state, alive, total = carry
         action = jnp.argmax(network.apply(params, obs), axis=-1)  # [episodes]
-        # The env auto-resets with this key; we never look past an episode's end,
-        # so sharing one key between those discarded resets is harmless.
-        obs, state, reward, terminated, truncated, _ = jax.vmap(env.step, in_axes=(None, 0, 0))(
-            key, state, action
-        )
+        next_obs, state, reward, terminated, truncated, _ = step(key, state, action)
         total = total + reward * alive
-        alive = alive & ~(terminated | truncated)
-        return (obs, state, alive, total), None
+        carry = (next_obs, state, alive & ~(terminated | truncated), total)
+        return carry, (obs, alive) if keep_obs else None
 
     init = (obs, state, jnp.ones(num_episodes, bool), jnp.zeros(num_episodes, jnp.float32))
     max_steps = env.default_params.max_steps_in_episode
-    (_, _, _, total), _ = jax.lax.scan(eval_step, init, None, length=max_steps)
-    return total.mean()
+    (_, _, _, total), seen = jax.lax.scan(eval_step, init, None, length=max_steps)
+    return (total, seen) if keep_obs else total
 
 
-# ----------------------------------------------------------------------------------------
-# Train: one pure function from a key to params and metrics
-# ----------------------------------------------------------------------------------------
-
-
+# ---- Train: one pure function from a key to params and metrics -----------------------------
 class Carry(NamedTuple):
     agent: AgentState
     buffer: Buffer
@@ -435,51 +312,31 @@ class Carry(NamedTuple):
     key: jax.Array
 
 
-class StepInfo(NamedTuple):
-    finished_return: jax.Array  # the episode's return on its last step, else 0
-    done: jax.Array
-
-
-class IterInfo(NamedTuple):
-    loss: jax.Array  # 0 while no update ran
-    updated: jax.Array
-    finished_return_sum: jax.Array
-    episodes: jax.Array
-
-
-def make_train(config: Config, progress_callback=None):
+def make_train(config: Config, env=None, network=None, progress_callback=None):
     """Returns train(key) -> {"params", "metrics"}: the whole experiment for one seed.
 
-    Time is nested: blocks of `eval_every` steps (greedy evaluation after each), made
-    of iterations of `train_frequency` env steps followed by one gradient update.
-    `progress_callback(env_steps_done)` is called from inside the compiled loop a few
-    hundred times per run (pass None in tests).
+    Time is nested: blocks of `eval_every` steps, each ending in a greedy evaluation, made of
+    iterations of `train_frequency` env steps and one update. `env` defaults to our CartPole;
+    `progress_callback(env_steps_done)` is called from inside the loop ~200 times per run.
     """
-    env = make_env(config.env)
-    network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
-    block = block_steps(config)
+    env = CartPole() if env is None else env
+    if network is None:
+        network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
+    block = config.block_steps
     num_blocks = config.total_timesteps // block
     iters_per_block = block // config.train_frequency
-    num_iters = num_blocks * iters_per_block
     # The step size decays over the updates that will actually happen.
-    num_updates = max(
-        1, (config.total_timesteps - config.learning_starts) // config.train_frequency
-    )
-    lr = (
-        optax.linear_schedule(config.learning_rate, 0.0, num_updates)
-        if config.anneal_lr
-        else config.learning_rate
-    )
+    num_updates = (config.total_timesteps - config.learning_starts) // config.train_frequency
+    lr = config.learning_rate
+    if config.anneal_lr:
+        lr = optax.linear_schedule(config.learning_rate, 0.0, max(1, num_updates))
     optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), optax.adam(lr))
-    epsilon_at = optax.linear_schedule(
-        config.epsilon_start,
-        config.epsilon_end,
-        max(1, int(config.exploration_fraction * config.total_timesteps)),
-    )
+    decay_steps = max(1, int(config.exploration_fraction * config.total_timesteps))
+    epsilon_at = optax.linear_schedule(config.epsilon_start, config.epsilon_end, decay_steps)
     # Report progress ~200 times: often enough for a smooth ETA, rare enough to be free.
-    report_every = max(1, num_iters // 200)
+    report_every = max(1, num_blocks * iters_per_block // 200)
 
-    def env_step(carry: Carry, xs) -> tuple[Carry, StepInfo]:
+    def env_step(carry: Carry, xs) -> tuple[Carry, dict]:
         step, act_key, env_key = xs
         q_values = network.apply(carry.agent.params, carry.obs)  # [actions]
         action = epsilon_greedy(act_key, q_values, epsilon_at(step))
@@ -501,22 +358,22 @@ def make_train(config: Config, progress_callback=None):
             obs=obs,
             episode_return=jnp.where(done, 0.0, episode_return),
         )
-        return carry, StepInfo(finished_return=jnp.where(done, episode_return, 0.0), done=done)
+        # An episode's return is reported on its last step only.
+        return carry, {"finished_return": jnp.where(done, episode_return, 0.0), "done": done}
 
     def update(agent: AgentState, batch: Transition):
         loss, grads = jax.value_and_grad(dqn_loss)(
             agent.params, agent.target_params, network.apply, batch, config.gamma, config.double_dqn
         )
         updates, opt_state = optimizer.update(grads, agent.opt_state, agent.params)
-        return agent._replace(
-            params=optax.apply_updates(agent.params, updates), opt_state=opt_state
-        ), loss
+        params = optax.apply_updates(agent.params, updates)
+        return agent._replace(params=params, opt_state=opt_state), loss
 
-    def iteration(carry: Carry, xs) -> tuple[Carry, IterInfo]:
+    def iteration(carry: Carry, xs) -> tuple[Carry, dict]:
         it, act_keys, env_keys, sample_key = xs  # it: global iteration index (not per seed)
         first_step = it * config.train_frequency
         steps = first_step + jnp.arange(config.train_frequency)
-        carry, info = jax.lax.scan(env_step, carry, (steps, act_keys, env_keys))
+        carry, steps_info = jax.lax.scan(env_step, carry, (steps, act_keys, env_keys))
         steps_done = first_step + config.train_frequency
 
         # The predicates below depend on the step count only, which is the same for
@@ -529,9 +386,8 @@ def make_train(config: Config, progress_callback=None):
             learn, update, lambda agent, batch: (agent, jnp.float32(0.0)), carry.agent, batch
         )
         # A target update whenever this iteration crossed a multiple of the interval.
-        cross = steps_done // config.target_update_interval > (
-            first_step // config.target_update_interval
-        )
+        interval = config.target_update_interval
+        cross = steps_done // interval > first_step // interval
         target = jax.lax.cond(
             learn & cross,
             lambda a: optax.incremental_update(a.params, a.target_params, config.tau),
@@ -541,17 +397,9 @@ def make_train(config: Config, progress_callback=None):
         carry = carry._replace(agent=agent._replace(target_params=target))
 
         if progress_callback is not None:
-            jax.lax.cond(
-                (it + 1) % report_every == 0,
-                lambda: jax.debug.callback(progress_callback, steps_done),
-                lambda: None,
-            )
-        return carry, IterInfo(
-            loss=loss,
-            updated=learn,
-            finished_return_sum=info.finished_return.sum(),
-            episodes=info.done.sum(),
-        )
+            report = partial(jax.debug.callback, progress_callback, steps_done)
+            jax.lax.cond((it + 1) % report_every == 0, report, lambda: None)
+        return carry, {"loss": loss, "updated": learn, **steps_info}  # loss 0 if no update
 
     def train_block(carry: Carry, block_index) -> tuple[Carry, dict]:
         # One split per block: all the randomness of `eval_every` steps drawn at once.
@@ -564,19 +412,16 @@ def make_train(config: Config, progress_callback=None):
             jax.random.split(sample_key, iters_per_block),
         )
         carry, info = jax.lax.scan(iteration, carry._replace(key=key), xs)
-        episodes = info.episodes.sum()
+        returns = greedy_episodes(eval_key, carry.agent.params, env, network, config.eval_episodes)
+        episodes, updates = info["done"].sum(), info["updated"].sum()
+        train_return = info["finished_return"].sum() / episodes
+        loss = info["loss"].sum() / updates
         metrics = {
             "step": (block_index + 1) * block,
-            "eval_return": evaluate(
-                eval_key, carry.agent.params, env, network, config.eval_episodes
-            ),
+            "eval_return": returns.mean(),
             # NaN where the block had no finished episode / no update, not a fake 0.
-            "train_return": jnp.where(
-                episodes > 0, info.finished_return_sum.sum() / episodes, jnp.nan
-            ),
-            "loss": jnp.where(
-                info.updated.any(), info.loss.sum() / jnp.maximum(info.updated.sum(), 1), jnp.nan
-            ),
+            "train_return": jnp.where(episodes > 0, train_return, jnp.nan),
+            "loss": jnp.where(updates > 0, loss, jnp.nan),
         }
         return carry, metrics
 
@@ -586,7 +431,7 @@ def make_train(config: Config, progress_callback=None):
         params = network.init(init_key, obs)
         carry = Carry(
             agent=AgentState(params=params, target_params=params, opt_state=optimizer.init(params)),
-            buffer=buffer_init(config.buffer_size, env.obs_size),
+            buffer=buffer_init(config.buffer_size, obs.shape[-1]),
             env_state=env_state,
             obs=obs,
             episode_return=jnp.float32(0.0),
@@ -598,9 +443,35 @@ def make_train(config: Config, progress_callback=None):
     return train
 
 
-# ----------------------------------------------------------------------------------------
-# Running many seeds: keys, sharding, memory
-# ----------------------------------------------------------------------------------------
+# ===== Appendix: running it at scale and reporting =====
+# ruff: noqa: E402  (the reference above runs on its own imports; these serve the machinery)
+import argparse
+import importlib.metadata
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import flax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tqdm import tqdm
+
+SOLVED_RETURN = 475.0  # Gymnasium's reward_threshold for CartPole-v1
+BOOTSTRAP_SAMPLES = 2_000
+# On a CPU, seeds vmapped 16 at a time, batch after batch, stay in cache: faster than all
+# of a device's seeds at once (measured: see README). A GPU wants every seed at once.
+CPU_SEEDS_PER_BATCH = 16
+
+
+def make_env(name: str):
+    """Our CartPole, or gymnax's, which steps with the same API (gymnax 1.0)."""
+    if name != "gymnax":
+        return CartPole()
+    import gymnax  # imported here: it takes a second or two, and only `--env gymnax` needs it
+
+    return gymnax.make("CartPole-v1")[0]
 
 
 class SeedPlan(NamedTuple):
@@ -608,27 +479,20 @@ class SeedPlan(NamedTuple):
     padded_seeds: int  # num_seeds rounded up to a multiple of num_devices
     seeds_per_batch: int  # per device: seeds vmapped at once (lax.map runs the batches)
     bytes_per_seed: int
-    bytes_available: int  # per device
 
 
-def count_params(config: Config) -> int:
-    widths = (CartPole.obs_size, *config.hidden_sizes, CartPole.num_actions)
-    dense = sum(a * b + b for a, b in zip(widths[:-1], widths[1:], strict=False))
-    return dense + (2 * sum(config.hidden_sizes) if config.layer_norm else 0)
-
-
-def bytes_per_seed(config: Config) -> int:
+def bytes_per_seed(config: Config, env, network: QNetwork) -> int:
     """A generous estimate of the device memory one seed's `train` needs."""
-    float_size, key_size = 4, 8
-    agent = 6 * count_params(config) * float_size  # params, target, Adam mu/nu, grads, updates
-    buffer = config.buffer_size * (2 * CartPole.obs_size + 3) * float_size
-    block = block_steps(config)
-    keys = (2 * block + block // config.train_frequency + 5) * key_size  # one block's keys
-    activations = 6 * config.batch_size * sum(config.hidden_sizes) * float_size
-    evaluation = 4 * config.eval_episodes * (max(config.hidden_sizes) + 16) * float_size
-    metrics = 4 * (config.total_timesteps // block) * float_size
-    # x2 for the temporaries XLA keeps beside the loop state.
-    return 2 * (agent + buffer + keys + activations + evaluation + metrics)
+    obs = jax.eval_shape(env.reset, jax.random.key(0))[0]
+    params = jax.tree.leaves(jax.eval_shape(network.init, jax.random.key(0), obs))
+    block, widths = config.block_steps, config.hidden_sizes
+    words = 6 * sum(x.size for x in params)  # params, target, Adam's two moments, grads, updates
+    words += config.buffer_size * (2 * obs.size + 3)  # the replay buffer
+    words += 2 * (2 * block + block // config.train_frequency + 5)  # one block's keys
+    words += 6 * config.batch_size * sum(widths)  # an update's activations
+    words += 4 * config.eval_episodes * (max(widths) + 16)  # the greedy evaluation
+    words += 4 * (config.total_timesteps // block)  # the metrics
+    return 2 * 4 * words  # 4-byte words; x2 for the temporaries XLA keeps beside the loop
 
 
 def bytes_available(device) -> int:
@@ -636,445 +500,269 @@ def bytes_available(device) -> int:
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return host // len(jax.devices())
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") // jax.device_count()
 
 
-# On a CPU, vmapping a few seeds at a time and running those batches one after another
-# (lax.map) beats vmapping all of a device's seeds at once: each batch's buffers and
-# activations stay in cache. Measured here (512 seeds, 2 CPU devices, 10k steps, training
-# only): 256 seeds at once per device 57 s, batches of 64 43 s, 16 34 s, 8 36 s, 4 38 s.
-# A GPU wants every seed at once.
-CPU_SEEDS_PER_BATCH = 16
-
-
-def plan_seeds(config: Config, memory_fraction: float = 0.5) -> SeedPlan:
-    """Pad the seeds to a multiple of the device count; batch them if they do not fit
-    (and, on a CPU, in batches of at most CPU_SEEDS_PER_BATCH, which runs faster).
-
-    Raises MemoryError (with what to change) when not even one seed fits.
-    """
-    num_devices = len(jax.devices())
-    padded = -(-config.num_seeds // num_devices) * num_devices
-    per_device = padded // num_devices
-    need = bytes_per_seed(config)
-    available = bytes_available(jax.devices()[0])
+def plan_seeds(config: Config, need: int, memory_fraction: float = 0.5) -> SeedPlan:
+    """Pad the seeds to a multiple of the device count; batch them when they do not fit
+    (on a CPU, at most CPU_SEEDS_PER_BATCH). MemoryError when not even one seed fits."""
+    devices = jax.devices()
+    padded = -(-config.num_seeds // len(devices)) * len(devices)
+    available = bytes_available(devices[0])
     fits = int(memory_fraction * available) // need
     if fits < 1:
         raise MemoryError(
             f"one seed needs ~{need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB free per "
             "device: lower --buffer-size, --eval-every or --batch-size"
         )
-    if jax.devices()[0].platform == "cpu":
+    if devices[0].platform == "cpu":
         fits = min(fits, CPU_SEEDS_PER_BATCH)
-    # The largest batch that fits and divides the per-device seeds evenly.
-    batch = max(b for b in range(1, per_device + 1) if per_device % b == 0 and b <= fits)
-    return SeedPlan(
-        num_devices=num_devices,
-        padded_seeds=padded,
-        seeds_per_batch=batch,
-        bytes_per_seed=need,
-        bytes_available=available,
-    )
+    per_device = padded // len(devices)  # the largest batch that fits and divides it evenly:
+    batch = max(b for b in range(1, fits + 1) if per_device % b == 0)
+    return SeedPlan(len(devices), padded, batch, need)
 
 
-def make_keys(seed: int, plan: SeedPlan, sharding: NamedSharding) -> jax.Array:
-    """Keys made inside jit straight into their shards (no host-side copy per device).
-
-    Seed i gets fold_in(key(seed), i): the same agent whatever --num-seeds is.
-    """
-    shape = (plan.num_devices, plan.padded_seeds // plan.num_devices)
+def train_seeds(train, seed: int, plan: SeedPlan):
+    """jax.jit(jax.vmap(train)) over seeds 0..padded_seeds-1, sharded over every device; seed
+    i's key, fold_in(key(seed), i), is made inside jit straight into its shard. With fewer seeds
+    per batch than a device holds, each device vmaps a batch at a time, batch after batch
+    (lax.map). Returns (output, padding seeds included; compile s; train s)."""
+    mesh = Mesh(np.array(jax.devices()), ("seeds",))
+    sharding = NamedSharding(mesh, PartitionSpec("seeds"))
 
     @partial(jax.jit, out_shardings=sharding)
-    def keys():
+    def make_keys():
         base = jax.random.key(seed)
-        return jax.vmap(partial(jax.random.fold_in, base))(jnp.arange(plan.padded_seeds)).reshape(
-            shape
-        )
+        return jax.vmap(partial(jax.random.fold_in, base))(jnp.arange(plan.padded_seeds))
 
-    return keys()  # [devices, seeds per device]
+    def train_all(keys):
+        if plan.seeds_per_batch * plan.num_devices == plan.padded_seeds:
+            return jax.vmap(train)(keys)
+        per_device = keys.reshape(plan.num_devices, -1)  # [devices, seeds per device]
+        out = jax.vmap(partial(jax.lax.map, train, batch_size=plan.seeds_per_batch))(per_device)
+        return jax.tree.map(lambda x: x.reshape(plan.padded_seeds, *x.shape[2:]), out)
+
+    keys = make_keys()
+    start = time.perf_counter()
+    compiled = jax.jit(train_all, out_shardings=sharding).lower(keys).compile()
+    compile_s, start = time.perf_counter() - start, time.perf_counter()
+    out = jax.block_until_ready(compiled(keys))
+    train_s = time.perf_counter() - start
+    return jax.device_get(out), compile_s, train_s
 
 
 class Progress:
-    """One tqdm bar for all seeds, fed by a callback from inside the compiled loop.
-
-    The callback gets the step count, which is the same for every seed, so it runs
-    once per report, not once per seed or per device. Batches of seeds (when memory
-    is short) run one after another: a step count that goes down marks the next one.
-    """
+    """One tqdm bar for all seeds, fed by `jax.debug.callback` from inside the compiled loop.
+    XLA calls it once per report, not per seed or device (the step count is the same for
+    every seed); a count that goes down means the next batch of seeds began (lax.map)."""
 
     def __init__(self, config: Config, plan: SeedPlan):
-        self.steps = config.total_timesteps
-        self.batches = (plan.padded_seeds // plan.num_devices) // plan.seeds_per_batch
-        self.total = config.num_seeds * config.total_timesteps  # padding seeds not counted
-        self.batches_done, self.last, self.bar = 0, 0, None
-
-    def start(self) -> None:  # after compiling, so the ETA measures training only
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=self.total, unit="agent-steps", unit_scale=True, file=sys.stderr)
+        batches = plan.padded_seeds // plan.num_devices // plan.seeds_per_batch
+        self.seeds_per_step = config.num_seeds / batches  # padding seeds not counted
+        self.total, self.last, self.bar = config.num_seeds * config.total_timesteps, 0, None
 
     def __call__(self, steps_done) -> None:
         steps = int(steps_done)
-        if steps < self.last:
-            self.batches_done += 1
+        if self.bar is None:  # opened at the first report: its ETA leaves compiling out
+            self.bar = tqdm(total=self.total, unit="agent-steps", unit_scale=True, file=sys.stderr)
+        self.bar.update((steps - self.last if steps > self.last else steps) * self.seeds_per_step)
         self.last = steps
-        done = (self.batches_done * self.steps + steps) / (self.batches * self.steps)
-        n = int(done * self.total)
-        if self.bar is not None and n > self.bar.n:
-            self.bar.update(n - self.bar.n)
 
     def close(self) -> None:
         if self.bar is not None:
-            self.bar.update(self.bar.total - self.bar.n)
+            self.bar.update(self.total - self.bar.n)
             self.bar.close()
 
 
-def train_seeds(config: Config, plan: SeedPlan, progress: Progress | None = None):
-    """Train every seed; returns (output trimmed to num_seeds, compile s, train s)."""
-    mesh = Mesh(np.array(jax.devices()), ("seeds",))
-    sharding = NamedSharding(mesh, PartitionSpec("seeds"))  # the device axis is split
-    train = make_train(config, progress)
-    per_device = plan.padded_seeds // plan.num_devices
-    if plan.seeds_per_batch == per_device:
-        per_device_fn = jax.vmap(train)
-    else:  # vmap batches of seeds, one after another (memory, or CPU cache: plan_seeds)
-        per_device_fn = partial(jax.lax.map, train, batch_size=plan.seeds_per_batch)
-    run = jax.jit(jax.vmap(per_device_fn), in_shardings=sharding, out_shardings=sharding)
-
-    keys = make_keys(config.seed, plan, sharding)
-    start = time.perf_counter()
-    compiled = run.lower(keys).compile()
-    compile_s = time.perf_counter() - start
-    if progress is not None:
-        progress.start()
-    start = time.perf_counter()
-    out = jax.block_until_ready(compiled(keys))
-    train_s = time.perf_counter() - start
-    # [devices, per device, ...] -> [seeds, ...], dropping the padding seeds.
-    out = jax.tree.map(
-        lambda x: np.asarray(x).reshape(-1, *x.shape[2:])[: config.num_seeds], jax.device_get(out)
-    )
-    return out, compile_s, train_s
-
-
-# ----------------------------------------------------------------------------------------
-# Reporting
-# ----------------------------------------------------------------------------------------
-
-BOOTSTRAP_SAMPLES = 2_000
-CI_LEVEL = 0.95
-
-
-def iqm(values: np.ndarray, axis: int = -1) -> np.ndarray:
-    """Interquartile mean: the mean of the middle 50% (Agarwal et al. 2021)."""
-    values = np.sort(values, axis=axis)
-    n = values.shape[axis]
-    lo, hi = n // 4, n - n // 4
-    return np.take(values, np.arange(lo, max(hi, lo + 1)), axis=axis).mean(axis=axis)
-
-
 def bootstrap_iqm(values: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """IQM over seeds (axis 0) with a percentile-bootstrap CI, resampling seeds."""
-    rng = np.random.default_rng(seed)
+    """Interquartile mean (the mean of the middle 50%: Agarwal et al. 2021) over seeds, axis
+    0, with a 95% percentile-bootstrap CI that resamples seeds."""
     n = values.shape[0]
-    samples = values[rng.integers(0, n, size=(BOOTSTRAP_SAMPLES, n))]  # [boot, seeds, ...]
-    boot = iqm(samples, axis=1)
-    tail = 100 * (1 - CI_LEVEL) / 2
-    return (
-        iqm(values, axis=0),
-        np.percentile(boot, tail, axis=0),
-        np.percentile(boot, 100 - tail, axis=0),
-    )
+    resampled = values[np.random.default_rng(seed).integers(0, n, size=(BOOTSTRAP_SAMPLES, n))]
+    low, high = np.percentile(iqm(resampled, axis=1), [2.5, 97.5], axis=0)
+    return iqm(values, axis=0), low, high
 
 
-def versions() -> dict:
-    import importlib.metadata as md
+def iqm(values: np.ndarray, axis: int) -> np.ndarray:
+    """The mean of the middle half along `axis`: a quarter of the values cut from each end."""
+    n = values.shape[axis]
+    middle = np.sort(values, axis=axis).take(range(n // 4, n - n // 4), axis=axis)
+    return middle.mean(axis=axis)
 
+
+def summarize(config: Config, returns: np.ndarray, **extra) -> dict:
+    """summary.json (or load_summary.json): the run, the machine, the final scores."""
     names = ("jax", "jaxlib", "flax", "optax", "distrax", "gymnax", "numpy", "matplotlib")
-    return {"python": platform.python_version(), **{n: md.version(n) for n in names}}
-
-
-def score_summary(returns: np.ndarray, seed: int) -> dict:
-    value, lo, hi = bootstrap_iqm(returns, seed)
+    versions = {name: importlib.metadata.version(name) for name in names}
+    value, low, high = bootstrap_iqm(returns, config.seed)
     return {
-        "final_eval_return": [float(r) for r in returns],
+        "config": dataclasses.asdict(config),
+        "versions": {"python": platform.python_version(), **versions},
+        "devices": [str(d) for d in jax.devices()],
+        **extra,
+        "final_eval_return": returns.tolist(),
         "solved_fraction": float(np.mean(returns >= SOLVED_RETURN)),
-        "iqm": {"value": float(value), "ci95": [float(lo), float(hi)]},
+        "iqm": {"value": float(value), "ci95": [float(low), float(high)]},
         "median": float(np.median(returns)),
         "mean": float(np.mean(returns)),
     }
 
 
-def plot_learning_curves(metrics: dict, seed: int, path: Path) -> None:
-    import matplotlib
+def plot_learning_curves(steps: np.ndarray, returns: np.ndarray, seed: int, path: Path) -> None:
+    import matplotlib.pyplot as plt  # here: only a run that plots pays for the import
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = metrics["step"][0]
-    returns = metrics["eval_return"]  # [seeds, evals]
-    value, lo, hi = bootstrap_iqm(returns, seed)
+    value, low, high = bootstrap_iqm(returns, seed)  # returns: [seeds, evals]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, returns.T, color="tab:blue", alpha=min(0.3, 5 / len(returns)), lw=0.6)
-    ax.fill_between(steps, lo, hi, color="tab:orange", alpha=0.35, label="95% bootstrap CI")
+    ax.fill_between(steps, low, high, color="tab:orange", alpha=0.35, label="95% bootstrap CI")
     ax.plot(steps, value, color="tab:orange", lw=2, marker="o", ms=3, label="IQM over seeds")
     ax.axhline(SOLVED_RETURN, color="k", ls="--", lw=1, label=f"solved ({SOLVED_RETURN:.0f})")
-    ax.set(
-        xlabel="environment steps",
-        ylabel="greedy return",
-        title=f"DQN on CartPole-v1, {len(returns)} seeds",
-        ylim=(0, 520),
-    )
+    ax.set(xlabel="environment steps", ylabel="greedy return", ylim=(0, 520))
+    ax.set_title(f"DQN on CartPole-v1, {len(returns)} seeds")
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
-def rollout(key: jax.Array, params, env, network: QNetwork) -> tuple[np.ndarray, int]:
-    """One greedy episode: the states seen and its length."""
-
-    @jax.jit
-    def run(key):
-        obs, state = env.reset(key)
-
-        def one_step(carry, _):
-            obs, state, alive = carry
-            action = jnp.argmax(network.apply(params, obs))
-            next_obs, state, _, terminated, truncated, info = env.step(key, state, action)
-            return (next_obs, state, alive & ~(terminated | truncated)), (obs, alive)
-
-        _, (frames, alive) = jax.lax.scan(
-            one_step,
-            (obs, state, jnp.bool_(True)),
-            None,
-            length=env.default_params.max_steps_in_episode,
-        )
-        return frames, alive.sum()
-
-    frames, length = run(key)
-    return np.asarray(frames)[: int(length)], int(length)
-
-
-def render_gif(frames: np.ndarray, title: str, path: Path, fps: int = 25) -> None:
-    """Cart and pole drawn with matplotlib, every other 50 Hz frame (fps 25 = real time)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def render_median(config: Config, env, network, params, returns: np.ndarray, path: Path):
+    """GIF of a fresh greedy episode of the median seed, every other 50 Hz step at 25 fps."""
     import matplotlib.pyplot as plt
     from matplotlib.animation import FuncAnimation, PillowWriter
 
-    params = EnvParams()
-    pole = 2 * params.length
+    median = int(np.argsort(returns)[len(returns) // 2])
+    one = jax.tree.map(lambda x: x[median], params)
+    episode = partial(greedy_episodes, env=env, network=network, num_episodes=1, keep_obs=True)
+    total, (obs, alive) = jax.jit(episode)(jax.random.key(config.seed), one)
+    frames = np.asarray(obs[:, 0])[np.asarray(alive[:, 0])][::2]  # [steps / 2, obs]
+    pole, limit = 2 * EnvParams().length, EnvParams().x_threshold + 0.3
     fig, ax = plt.subplots(figsize=(4, 2.4))
-    ax.set(
-        xlim=(-params.x_threshold - 0.3, params.x_threshold + 0.3),
-        ylim=(-0.3, 1.3),
-        aspect="equal",
-        yticks=[],
-    )
+    ax.set(xlim=(-limit, limit), ylim=(-0.3, 1.3), aspect="equal", yticks=[])
     ax.axhline(0, color="k", lw=1)
-    cart = plt.Rectangle((0, -0.1), 0.4, 0.2, color="tab:blue")
-    ax.add_patch(cart)
+    (cart,) = ax.plot([], [], color="tab:blue", lw=12)
     (line,) = ax.plot([], [], color="tab:orange", lw=4)
-    text = ax.set_title("")
-    shown = frames[::2]
 
     def draw(i):
-        x, _, theta, _ = shown[i]
-        cart.set_x(x - 0.2)
+        x, _, theta, _ = frames[i]
+        cart.set_data([x - 0.2, x + 0.2], [0, 0])
         line.set_data([x, x + pole * np.sin(theta)], [0, pole * np.cos(theta)])
-        text.set_text(f"{title}  step {2 * i}")
-        return cart, line, text
+        ax.set_title(f"seed {median}: return {float(total[0]):.0f}  step {2 * i}")
+        return cart, line
 
-    FuncAnimation(fig, draw, frames=len(shown), blit=True).save(path, writer=PillowWriter(fps=fps))
+    FuncAnimation(fig, draw, frames=len(frames)).save(path, writer=PillowWriter(fps=25))
     plt.close(fig)
 
 
-def save_params(params, path: Path) -> None:
-    path.write_bytes(flax.serialization.to_bytes(params))  # every leaf: [seeds, ...]
-
-
-# ----------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse prints usage + error on two lines; we print one line and exit 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def parse_hidden_sizes(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(w) for w in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated ints like 64,64, got {text!r}"
-        ) from None
-
-
-def build_parser() -> OneLineParser:
-    parser = OneLineParser(
-        prog="dqn_cartpole.py",
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+def build_parser() -> argparse.ArgumentParser:
+    """One --flag per Config field, its help from the field, its default shown as typed.
+    exit_on_error=False: main prints a bad input as one line (argparse prints two)."""
+    parser = argparse.ArgumentParser(
+        prog="dqn_cartpole.py", description=__doc__.splitlines()[0], exit_on_error=False
     )
+
+    def comma_ints(text: str) -> tuple[int, ...]:  # argparse says "invalid comma_ints value"
+        return tuple(int(width) for width in text.split(","))
+
     for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        kind = {"int": int, "float": float, "str": str}.get(f.type)
-        if f.type == "bool":
-            parser.add_argument(
-                flag,
-                action=argparse.BooleanOptionalAction,
-                default=f.default,
-                help=f.metadata["help"],
-            )
-        elif f.name == "hidden_sizes":
-            parser.add_argument(
-                flag, type=parse_hidden_sizes, default=f.default, help=f.metadata["help"]
-            )
+        shown = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
+        kwargs = {"default": f.default, "help": f"{f.metadata['help']} (default: {shown})"}
+        if f.type is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
-    parser.add_argument(
-        "--load",
-        metavar="DIR",
-        help="evaluate the params saved in DIR "
-        "(its network shape; env, seed, eval-episodes from this command line)",
-    )
-    parser.add_argument(
-        "--render", action="store_true", help="write render.gif: the median seed's greedy episode"
-    )
+            kwargs["type"] = comma_ints if isinstance(f.default, tuple) else f.type
+        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+    load_help = "evaluate the params saved in DIR (its network; the rest from this command)"
+    parser.add_argument("--load", metavar="DIR", help=load_help)
+    parser.add_argument("--render", action="store_true", help="GIF of the median seed")
     return parser
 
 
 def load_run(folder: str) -> tuple[Config, Any]:
-    """Saved config and params of a run folder; ValueError naming the problem."""
-    path = Path(folder)
-    if not path.is_dir():
-        raise ValueError(f"--load {folder}: not a folder")
-    for name in ("params.msgpack", "summary.json"):
-        if not (path / name).is_file():
-            raise ValueError(f"--load {folder}: no {name} in it")
+    """Saved config and params of a run folder; any problem is a one-line ValueError."""
     try:
-        saved = json.loads((path / "summary.json").read_text())["config"]
-        saved["hidden_sizes"] = tuple(saved["hidden_sizes"])
-        config = Config(**saved)
-        params = flax.serialization.msgpack_restore((path / "params.msgpack").read_bytes())
-    except Exception as error:  # any unreadable file is one line, not a traceback
-        raise ValueError(f"--load {folder}: cannot read the saved run ({error})") from None
+        saved = json.loads((Path(folder) / "summary.json").read_text())["config"]
+        config = Config(**{**saved, "hidden_sizes": tuple(saved["hidden_sizes"])})
+        params = flax.serialization.msgpack_restore((Path(folder) / "params.msgpack").read_bytes())
+    except Exception as error:
+        raise ValueError(f"--load {folder}: cannot read a saved run ({error})") from None
     return config, params
 
 
-def main(argv: list[str] | None = None) -> None:
-    start = time.perf_counter()
-    args = build_parser().parse_args(argv)
-    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)}
-    config = Config(**fields)
-    try:
-        validate(config)
-        if args.load:
-            saved, params = load_run(args.load)
-            # The network must match the saved params; everything else is this command's.
-            config = dataclasses.replace(
-                config, hidden_sizes=saved.hidden_sizes, layer_norm=saved.layer_norm
-            )
-            return evaluate_saved(config, params, args.render, start)
-        plan = plan_seeds(config)
-    except (ValueError, MemoryError) as error:
-        print(f"dqn_cartpole.py: error: {error}", file=sys.stderr)
-        sys.exit(2)
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
-    devices = jax.devices()
+
+def run_training(config: Config, env, network, plan: SeedPlan, output: Path):
+    """Train every seed, save params and learning curves; (params, final returns, extra)."""
+    devices = plural(plan.num_devices, jax.devices()[0].platform + " device")
+    memory = f"~{plan.bytes_per_seed * plan.padded_seeds / 2**20:.0f} MiB"
     print(
-        f"{config.num_seeds} seeds x {config.total_timesteps} steps on {len(devices)} "
-        f"{devices[0].platform} device(s); padded to {plan.padded_seeds}; memory "
-        f"~{plan.bytes_per_seed * plan.padded_seeds / 2**20:.0f} MiB, "
-        f"{plan.seeds_per_batch} seeds at once per device"
+        f"{plural(config.num_seeds, 'seed')} x {config.total_timesteps} steps on {devices}, "
+        f"{plan.seeds_per_batch} at once per device (padded to {plan.padded_seeds}, {memory})"
     )
     progress = Progress(config, plan)
-    out, compile_s, train_s = train_seeds(config, plan, progress)
+    train = make_train(config, env, network, progress)
+    out, compile_s, train_s = train_seeds(train, config.seed, plan)
     progress.close()
-    agent_steps = config.num_seeds * config.total_timesteps
-    metrics = out["metrics"]
-    returns = metrics["eval_return"][:, -1]  # final params, fresh greedy episodes
-
-    output = Path(config.output_dir)
-    output.mkdir(parents=True, exist_ok=True)
-    save_params(out["params"], output / "params.msgpack")
-    plot_learning_curves(metrics, config.seed, output / "learning_curves.png")
-    curve, curve_lo, curve_hi = bootstrap_iqm(metrics["eval_return"], config.seed)
-    summary = {
-        "config": dataclasses.asdict(config),
-        "versions": versions(),
-        "devices": [str(d) for d in devices],
+    out = jax.tree.map(lambda x: x[: config.num_seeds], out)  # drop the padding seeds
+    (output / "params.msgpack").write_bytes(flax.serialization.to_bytes(out["params"]))
+    steps, returns = out["metrics"]["step"][0], out["metrics"]["eval_return"]  # [seeds, evals]
+    plot_learning_curves(steps, returns, config.seed, output / "learning_curves.png")
+    speed = config.num_seeds * config.total_timesteps / train_s
+    print(f"compile {compile_s:.1f} s, train {train_s:.1f} s, {speed:,.0f} agent-steps/s")
+    curve = zip(("iqm", "ci95_low", "ci95_high"), bootstrap_iqm(returns, config.seed), strict=True)
+    extra = {
         "seeds_padded_to": plan.padded_seeds,
         "seeds_per_batch_per_device": plan.seeds_per_batch,
         "compile_time_s": compile_s,
         "train_time_s": train_s,
-        "agent_steps_per_s": agent_steps / train_s,
-        **score_summary(returns, config.seed),
+        "agent_steps_per_s": speed,
         # The best evaluation along the way, beside the final one (never instead of it).
-        "best_eval_return": [float(r) for r in metrics["eval_return"].max(axis=1)],
-        "curve": {
-            "step": metrics["step"][0].tolist(),
-            "iqm": curve.tolist(),
-            "ci95_low": curve_lo.tolist(),
-            "ci95_high": curve_hi.tolist(),
-        },
+        "best_eval_return": returns.max(axis=1).tolist(),
+        "curve": {"step": steps.tolist(), **{name: v.tolist() for name, v in curve}},
     }
-    if args.render:
-        render_median(config, out["params"], returns, output / "render.gif")
-    summary["wall_time_s"] = time.perf_counter() - start
-    (output / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(
-        f"compile {compile_s:.1f} s, train {train_s:.1f} s, wall {summary['wall_time_s']:.1f} s,"
-        f" {summary['agent_steps_per_s']:,.0f} agent-steps/s"
-    )
-    print(
-        f"final greedy return: solved (>= {SOLVED_RETURN:.0f}) "
-        f"{summary['solved_fraction']:.1%} of {config.num_seeds} seeds, IQM "
-        f"{summary['iqm']['value']:.1f} [{summary['iqm']['ci95'][0]:.1f}, "
-        f"{summary['iqm']['ci95'][1]:.1f}], median {summary['median']:.1f} -> {output}"
-    )
+    return out["params"], returns[:, -1], extra
 
 
-def render_median(config: Config, params, returns: np.ndarray, path: Path) -> None:
-    env = make_env(config.env)
-    network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
-    median_seed = int(np.argsort(returns)[len(returns) // 2])
-    one = jax.tree.map(lambda x: x[median_seed], params)
-    frames, length = rollout(jax.random.key(config.seed), one, env, network)
-    render_gif(frames, f"seed {median_seed}: return {length}", path)
+def main(argv: list[str] | None = None) -> None:
+    start = time.perf_counter()
+    try:
+        args, unknown = build_parser().parse_known_args(argv)
+        if unknown:
+            raise ValueError(f"unrecognized arguments: {' '.join(unknown)}")
+        config = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
+        if args.load:  # the network must match the saved params; the rest is this command's
+            saved, params = load_run(args.load)
+            shape = {"hidden_sizes": saved.hidden_sizes, "layer_norm": saved.layer_norm}
+            config = dataclasses.replace(config, **shape)
+        output = Path(config.output_dir)
+        if output.exists() and not output.is_dir():
+            raise ValueError(f"--output-dir {output} exists and is not a folder")
+        env = make_env(config.env)
+        network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
+        plan = None if args.load else plan_seeds(config, bytes_per_seed(config, env, network))
+    except (argparse.ArgumentError, ValueError, MemoryError) as error:
+        print(f"dqn_cartpole.py: error: {error}", file=sys.stderr)
+        sys.exit(2)
 
-
-def evaluate_saved(config: Config, params, render: bool, start: float) -> None:
-    env = make_env(config.env)
-    network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
-    num_seeds = jax.tree.leaves(params)[0].shape[0]
-    keys = jax.random.split(jax.random.key(config.seed), num_seeds)
-    run = jax.jit(
-        jax.vmap(partial(evaluate, env=env, network=network, num_episodes=config.eval_episodes))
-    )
-    returns = np.asarray(run(keys, params))
-    output = Path(config.output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    summary = {
-        "config": dataclasses.asdict(config),
-        "versions": versions(),
-        "devices": [str(d) for d in jax.devices()],
-        **score_summary(returns, config.seed),
-    }
-    if render:
-        render_median(config, params, returns, output / "render.gif")
+    if args.load:  # fresh greedy episodes of the saved params; seed i plays split(key)[i]
+        play = partial(greedy_episodes, env=env, network=network, num_episodes=config.eval_episodes)
+        keys = jax.random.split(jax.random.key(config.seed), jax.tree.leaves(params)[0].shape[0])
+        returns = np.asarray(jax.jit(jax.vmap(lambda k, p: play(k, p).mean()))(keys, params))
+        extra = {}
+    else:
+        params, returns, extra = run_training(config, env, network, plan, output)
+    summary = summarize(config, returns, **extra)
+    if args.render:
+        render_median(config, env, network, params, returns, output / "render.gif")
     summary["wall_time_s"] = time.perf_counter() - start
-    (output / "load_summary.json").write_text(json.dumps(summary, indent=2))
+    name = "load_summary.json" if args.load else "summary.json"
+    (output / name).write_text(json.dumps(summary, indent=2))
+    value, (low, high) = summary["iqm"]["value"], summary["iqm"]["ci95"]
     print(
-        f"{num_seeds} saved seeds, {config.eval_episodes} fresh greedy episodes each: solved "
-        f"{summary['solved_fraction']:.1%}, IQM {summary['iqm']['value']:.1f} -> {output}"
+        f"final greedy return of {plural(len(returns), 'seed')}: solved (>= {SOLVED_RETURN:.0f}) "
+        f"{summary['solved_fraction']:.1%}, IQM {value:.1f} [{low:.1f}, {high:.1f}], median "
+        f"{summary['median']:.1f}; wall {summary['wall_time_s']:.1f} s -> {output / name}"
     )
 
 

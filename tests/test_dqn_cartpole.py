@@ -75,7 +75,7 @@ def test_parity_with_gymnasium_cartpole_v1():
 
 def test_parity_with_gymnax_cartpole_v1():
     """Same reset for the same key, then the same transitions as gymnax's CartPole-v1."""
-    ours, theirs = dqn.CartPole(), dqn.GymnaxCartPole()
+    ours, theirs = dqn.CartPole(), dqn.make_env("gymnax")
     key = jax.random.key(3)
     obs, state = ours.reset(key)
     g_obs, g_state = theirs.reset(key)
@@ -187,6 +187,35 @@ def test_vmap_equals_single_key(tiny_train, tiny_keys, vmapped_out):
         )
 
 
+def test_seeds_in_batches_give_what_one_vmap_gives(tiny_train, vmapped_out):
+    """The CPU layout (each device runs its seeds one vmapped batch at a time, lax.map) is
+    only a layout: the same seeds get the same results as jit(vmap(train))."""
+    plan = dqn.SeedPlan(num_devices=2, padded_seeds=4, seeds_per_batch=1, bytes_per_seed=0)
+    out, _, _ = dqn.train_seeds(tiny_train, 0, plan)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a[:3], b, rtol=1e-4, atol=1e-4), out, vmapped_out
+    )
+
+
+def test_one_greedy_episode_function_scores_and_draws():
+    """The evaluation inside train, --load and --render share greedy_episodes: asked for
+    the observations, it returns the same returns, and one observation per step alive."""
+    env = dqn.CartPole()
+    network = dqn.QNetwork((16,), env.num_actions)
+    params = network.init(jax.random.key(0), jnp.zeros(4))
+    key = jax.random.key(1)
+    returns = dqn.greedy_episodes(key, params, env, network, 3)
+    same, (obs, alive) = dqn.greedy_episodes(key, params, env, network, 3, keep_obs=True)
+    np.testing.assert_array_equal(returns, same)
+    assert obs.shape == (500, 3, 4)
+    np.testing.assert_array_equal(alive.sum(axis=0), returns)  # CartPole pays 1 per step
+
+
+def test_help_shows_defaults_as_typed():
+    text = " ".join(dqn.build_parser().format_help().split())
+    assert "(default: 64,64)" in text and "(default: 0.995)" in text
+
+
 def test_metrics_have_one_point_per_evaluation(vmapped_out):
     metrics = vmapped_out["metrics"]
     np.testing.assert_array_equal(metrics["step"][0], [500, 1_000])
@@ -206,19 +235,35 @@ def test_seeds_get_different_init_and_exploration():
     assert len({tuple(np.round(r, 4)) for r in np.asarray(returns)}) == 3
 
 
+def bytes_per_seed(config: dqn.Config) -> int:
+    env = dqn.CartPole()
+    network = dqn.QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
+    return dqn.bytes_per_seed(config, env, network)
+
+
 def test_memory_batches_seeds_when_they_do_not_fit(monkeypatch):
     config = dataclasses.replace(TINY, num_seeds=8)
-    need = dqn.bytes_per_seed(config)
+    need = bytes_per_seed(config)
     monkeypatch.setattr(dqn, "bytes_available", lambda device: int(4.5 * need))
-    assert dqn.plan_seeds(config).seeds_per_batch == 2  # 2 fit (half the memory); 4 per device
+    # 2 fit (half the memory); 4 per device.
+    assert dqn.plan_seeds(config, need).seeds_per_batch == 2
     monkeypatch.setattr(dqn, "bytes_available", lambda device: need)
     with pytest.raises(MemoryError, match="--buffer-size"):
-        dqn.plan_seeds(config)
+        dqn.plan_seeds(config, need)
+
+
+def test_memory_estimate_takes_sizes_from_the_network():
+    """The parameter count comes from the network itself, not from CartPole's sizes."""
+    small = dataclasses.replace(TINY, hidden_sizes=(16,))
+    wide = dataclasses.replace(TINY, hidden_sizes=(16, 256))
+    extra_params = 16 * 256 + 256 + 2 * 256 + 256 * 2 + 2 - (16 * 2 + 2)  # Dense, LayerNorm
+    # At least params, target, Adam's two moments, grads and updates, in 4-byte words.
+    assert bytes_per_seed(wide) - bytes_per_seed(small) >= 6 * 4 * extra_params
 
 
 def test_cpu_runs_seeds_in_cache_sized_batches():
     config = dataclasses.replace(TINY, num_seeds=4 * dqn.CPU_SEEDS_PER_BATCH)  # 2 per device
-    plan = dqn.plan_seeds(config)
+    plan = dqn.plan_seeds(config, bytes_per_seed(config))
     assert plan.num_devices == 2
     assert plan.seeds_per_batch == dqn.CPU_SEEDS_PER_BATCH  # not all 2 * 16 at once
 
@@ -240,7 +285,7 @@ def test_short_run_beats_a_random_policy():
 
 def test_gymnax_env_trains_with_the_same_agent():
     config = dataclasses.replace(TINY, env="gymnax")
-    out = jax.jit(dqn.make_train(config))(jax.random.key(0))
+    out = jax.jit(dqn.make_train(config, dqn.make_env("gymnax")))(jax.random.key(0))
     assert np.all(np.isfinite(out["metrics"]["eval_return"]))
     assert out["params"]["params"]["Dense_0"]["kernel"].shape == (4, 16)
 
@@ -378,7 +423,7 @@ def test_cli_error_from_a_fresh_process_has_no_traceback():
 
 
 def test_gymnax_is_used_for_env_gymnax():
-    assert isinstance(dqn.make_env("gymnax").env, type(gymnax.make("CartPole-v1")[0]))
+    assert isinstance(dqn.make_env("gymnax"), type(gymnax.make("CartPole-v1")[0]))
 
 
 def test_cli_flags_come_from_the_config_fields():
@@ -386,3 +431,18 @@ def test_cli_flags_come_from_the_config_fields():
     assert args.double_dqn is False and args.hidden_sizes == (32, 8)
     names = {f.name for f in dataclasses.fields(dqn.Config)}
     assert names <= set(vars(args))
+
+
+TINY_BENCHMARK = ["--timesteps", "500", "--num-agents", "4", "--repeats", "1"]
+
+
+def test_benchmark_runs_from_a_clone_at_a_tiny_size():
+    """benchmarks/dqn_cartpole.py finds its yardstick next to it and prints the ratios."""
+    result = subprocess.run(
+        [sys.executable, "benchmarks/dqn_cartpole.py", *TINY_BENCHMARK],
+        capture_output=True,
+        text=True,
+        cwd=dqn.__file__.rsplit("/", 1)[0],
+    )
+    assert result.returncode == 0, result.stderr
+    assert "speed-up vs yardstick:" in result.stdout, result.stdout
