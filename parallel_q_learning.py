@@ -388,6 +388,8 @@ def make_sweep(train: Callable) -> Callable:
 
 # ruff: noqa: E402 (what only the appendix uses is imported here, so the reference copies alone)
 import argparse
+import contextlib
+import csv
 import json
 import platform
 import sys
@@ -538,9 +540,10 @@ def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
         if call % max(1, total_calls // 10) == 0 or call == total_calls:
             seconds = time.perf_counter() - clock["start"]
             done = call / total_calls
-            rate = num_agents * schedule.total_steps * done / seconds
-            print(f"  {done:4.0%}  train {seconds:6.2f} s  {rate / 1e6:.1f}M agent-steps/s\n",
-                  end="", flush=True)  # fmt: skip
+            rate, eta = num_agents * schedule.total_steps * done / seconds, seconds / done - seconds
+            # Plain lines, no carriage return: they read the same in a terminal and a log file.
+            print(f"  {done:4.0%}  train {seconds:6.2f} s  {rate / 1e6:.1f}M agent-steps/s  "
+                  f"ETA {eta:.1f} s\n", end="", flush=True)  # fmt: skip
 
     sweep = shard_sweep(make_sweep(make_train(config, env, schedule, on_point)), mesh, chunks)
     keys = make_seed_keys(config.seed, config.num_seeds, mesh, chunks)
@@ -607,7 +610,7 @@ def summarize_grid(config: Config, env: GridWorld, result: TrainResult) -> list[
                 "gamma": gamma,
                 "shortest_path": shortest,
                 "greedy_path_length": mean_ci(paths[:, -1]),
-                "greedy_path_optimal_fraction": float(np.mean(paths[:, -1] == shortest)),
+                "greedy_path_optimal_fraction": mean_ci(paths[:, -1] == shortest),
                 "optimal_time_share": mean_ci(np.mean(paths == shortest, axis=1)),
                 "value_iteration_start_value": exact[gamma],
                 "start_value_abs_error": mean_ci(np.abs(start_value - exact[gamma])),
@@ -618,57 +621,116 @@ def summarize_grid(config: Config, env: GridWorld, result: TrainResult) -> list[
 
 
 HEATMAP_MEASURES = {
-    "greedy_path_optimal_fraction": "seeds with an optimal\ngreedy path at the end",
-    "optimal_time_share": "share of training with an\noptimal greedy path (mean)",
+    "greedy_path_optimal_fraction": "share of seeds on a shortest path at the end",
+    "optimal_time_share": "share of training on a shortest path (mean over seeds)",
 }
+RUN_FILES = ("summary.json", "curves.csv", "q_tables.npy")
 
 
-def plot_heatmap(config: Config, rows: list[dict], path: Path) -> None:
-    """Quality over learning rate x epsilon: one column of panels per gamma, one row per measure."""
-    lrs, epsilons, gammas = config.learning_rates, config.epsilons, config.gammas
+@contextlib.contextmanager
+def atomic_open(path: Path, mode: str = "w"):
+    """Write to a temporary name beside path, then rename: no reader sees half a file."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, mode) as file:
+        yield file
+    os.replace(temporary, path)
+
+
+def save_run(output: Path, summary: dict, config: Config, result: TrainResult) -> None:
+    """RUN_FILES: the summary; curves.csv, one row per grid point x seed x curve point; the
+    final Q-tables [grid, seeds, rows, cols, actions]. The figures are drawn from these."""
+    with atomic_open(output / "summary.json") as file:
+        json.dump(summary, file, indent=2, allow_nan=False)  # strict JSON: no NaN in it
+    grid = np.array(grid_points(config))[:, None, None, :]  # [grid, 1, 1, gamma lr epsilon]
+    seeds, points = np.arange(config.num_seeds)[:, None], np.arange(result.curve.episodes.shape[-1])
+    columns = {"learning_rate": grid[..., 1], "epsilon": grid[..., 2], "gamma": grid[..., 0]}
+    columns |= {"seed": seeds, "step": (points + 1) * summary["steps_per_agent"] // len(points)}
+    columns |= result.curve._asdict()  # [grid, seeds, points] each
+    values = [np.ravel(c).tolist() for c in np.broadcast_arrays(*columns.values())]
+    with atomic_open(output / "curves.csv") as file:
+        writer = csv.writer(file, lineterminator="\n")
+        writer.writerow(columns)
+        writer.writerows(zip(*values, strict=True))
+    with atomic_open(output / "q_tables.npy", "wb") as file:
+        np.save(file, np.asarray(result.q_table, np.float32))
+
+
+def plot_run(output: Path) -> None:
+    """sweep_heatmap.png and learning_curves.png, drawn from the saved files alone."""
+    summary = json.loads((output / "summary.json").read_text())
+    with open(output / "curves.csv") as file:
+        rows = list(csv.DictReader(file))
+    shape = (len(summary["grid"]), summary["config"]["num_seeds"], -1)  # [grid, seeds, points]
+    curves = {name: np.array([float(r[name]) for r in rows]).reshape(shape) for name in rows[0]}
+    plot_heatmap(summary, output / "sweep_heatmap.png")
+    plot_curves(summary, curves, output / "learning_curves.png")
+
+
+def save_figure(fig, path: Path) -> None:
+    with atomic_open(path, "wb") as file:
+        fig.savefig(file, format="png", dpi=120)
+    plt.close(fig)
+
+
+def plot_heatmap(summary: dict, path: Path) -> None:
+    """Quality over learning rate x epsilon: one column of panels per gamma, one row per measure;
+    each colour scale spans the values present, each cell gives its mean and 95% CI."""
+    lrs, epsilons, gammas = (summary["config"][k] for k in ("learning_rates", "epsilons", "gammas"))
     fig, axes = plt.subplots(len(HEATMAP_MEASURES), len(gammas), squeeze=False)
     fig.set_layout_engine("constrained")
-    fig.set_size_inches(1.5 + 3.2 * len(gammas), 6.4)
+    fig.set_size_inches(2.5 + 3.6 * len(gammas), 7.2)
+    fig.suptitle(
+        f"{plural(summary['config']['num_seeds'], 'seed')} per cell, "
+        f"{summary['steps_per_agent']:,} steps per agent; cells: mean [95% CI]"
+    )
     for m, (measure, label) in enumerate(HEATMAP_MEASURES.items()):
-        values = [r[measure]["mean"] if isinstance(r[measure], dict) else r[measure] for r in rows]
-        # [gamma, lr, epsilon]: the grid's gamma is slowest, epsilon fastest
-        values = np.reshape(values, (len(gammas), len(lrs), len(epsilons)))
-        for ax, gamma, panel in zip(axes[m], gammas, values, strict=True):
-            image = ax.imshow(panel, vmin=0, vmax=1, cmap="viridis", origin="lower")
+        stats = [row[measure] for row in summary["grid"]]  # grid order: gamma slowest
+        means = np.reshape([s["mean"] for s in stats], (len(gammas), len(lrs), len(epsilons)))
+        cis = np.reshape([s["ci95"] or [np.nan] * 2 for s in stats], (*means.shape, 2))
+        low, high = means.min(), max(means.max(), means.min() + 0.01)  # one value: no 0-wide scale
+        for ax, gamma, panel, ci in zip(axes[m], gammas, means, cis, strict=True):
+            image = ax.imshow(panel, vmin=low, vmax=high, cmap="viridis", origin="lower")
             for (i, j), value in np.ndenumerate(panel):
-                color = "w" if value < 0.6 else "k"
-                ax.text(j, i, f"{value:.2f}", ha="center", va="center", color=color)
+                color = "w" if value < (low + high) / 2 else "k"
+                low_ci, high_ci = np.clip(ci[i, j], 0, 1)  # both measures are shares
+                text = f"{value:.2f}\n[{low_ci:.2f}, {high_ci:.2f}]"
+                ax.text(j, i, text, ha="center", va="center", color=color, fontsize=8)
             ax.set_xticks(range(len(epsilons)), [f"{e:g}" for e in epsilons])
             ax.set_yticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
             ax.set(xlabel="epsilon", ylabel="learning rate", title=f"gamma = {gamma:g}")
-        fig.colorbar(image, ax=axes[m].tolist(), label=label)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        fig.colorbar(image, ax=axes[m].tolist(), label=label.replace(" (", "\n("))
+    save_figure(fig, path)
 
 
-def plot_curves(config, env: GridWorld, schedule: Schedule, result: TrainResult, path: Path):
+def plot_curves(summary: dict, curves: dict, path: Path) -> None:
     """Greedy path length during training, mean and 95% CI band across seeds, per grid point."""
-    steps = (np.arange(schedule.num_points) + 1) * schedule.blocks_per_point * schedule.block_steps
-    lengths = np.asarray(result.curve.greedy_path_length, np.float64)  # [grid, seeds, points]
-    mean = lengths.mean(axis=1)  # [grid, points]
+    config = summary["config"]
+    steps, lengths = curves["step"][0, 0], curves["greedy_path_length"]  # [grid, seeds, points]
+    num_seeds, mean = lengths.shape[1], lengths.mean(axis=1)  # [grid, points]
     half = np.zeros_like(mean)
-    if config.num_seeds > 1:
-        half = Z_95 * lengths.std(axis=1, ddof=1) / math.sqrt(config.num_seeds)
-    gammas = config.gammas
-    per_gamma = len(config.learning_rates) * len(config.epsilons)  # the grid's gamma is slowest
-    fig, axes = plt.subplots(1, len(gammas), figsize=(1 + 4.5 * len(gammas), 3.8), squeeze=False)
-    for g, (_, learning_rate, epsilon) in enumerate(grid_points(config)):
-        ax = axes[0][g // per_gamma]
-        ax.plot(steps, mean[g], label=f"lr={learning_rate:g} eps={epsilon:g}")
+    if num_seeds > 1:
+        half = Z_95 * lengths.std(axis=1, ddof=1) / math.sqrt(num_seeds)
+    gammas, cells = config["gammas"], make_env(config["layout"]).num_cells
+    crowded = len(summary["grid"]) // len(gammas) >= 9  # lines per panel: the legend goes below
+    size = (2 + 4.5 * len(gammas), 5.5 if crowded else 4)
+    fig, axes = plt.subplots(1, len(gammas), figsize=size, squeeze=False, layout="constrained")
+    fig.suptitle(
+        f"greedy path length from S: mean, 95% CI band over {plural(num_seeds, 'seed')}\n"
+        f"(a path that never reaches G is drawn at the cell count, {cells})"
+    )
+    for g, row in enumerate(summary["grid"]):
+        ax = axes[0][gammas.index(row["gamma"])]
+        label = f"lr {row['learning_rate']:g}, epsilon {row['epsilon']:g}"
+        ax.plot(steps, mean[g], label=label)
         ax.fill_between(steps, mean[g] - half[g], mean[g] + half[g], alpha=0.2)
     for ax, gamma in zip(axes[0], gammas, strict=True):
-        ax.axhline(env.shortest_path, color="k", ls="--", lw=1, label="shortest path")
-        ax.set(xlabel="steps per agent", title=f"gamma = {gamma:g}", yscale="log")
-        ax.set_ylabel("greedy path length (cap: never arrives)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        shortest = summary["grid"][0]["shortest_path"]
+        ax.axhline(shortest, color="k", ls="--", lw=1, label=f"shortest path ({shortest})")
+        ax.set(xlabel="steps per agent", ylabel="greedy path length", title=f"gamma = {gamma:g}")
+        ax.set_xscale("log")  # the greedy path settles in the first tenth: log spreads it out
+        where = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.2), "ncol": 2} if crowded else {}
+        ax.legend(fontsize=7, **where)
+    save_figure(fig, path)
 
 
 # ----- Command line --------------------------------------------------------------------------
@@ -703,8 +765,9 @@ def read_layout(value: str) -> str:
         ) from None
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
-    """Config from the command line: one --flag per field, its help and default shown."""
+def parse_config(argv: list[str] | None = None) -> Config | Path:
+    """Config from the command line: one --flag per field, its help and default shown; or,
+    with --replot DIR, the saved run whose figures to redraw."""
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -718,8 +781,13 @@ def parse_config(argv: list[str] | None = None) -> Config:
             default, convert = "default", read_layout
         flag = "--" + field.name.replace("_", "-")
         parser.add_argument(flag, type=convert, default=default, help=field.metadata["help"])
+    replot = {"type": Path, "metavar": "DIR", "default": argparse.SUPPRESS}  # no "(default: ...)"
+    parser.add_argument("--replot", **replot, help="redraw the figures of a saved run; no training")
+    args = vars(parser.parse_args(argv))
+    if (run_dir := args.pop("replot", None)) is not None:
+        return run_dir
     try:
-        return Config(**vars(parser.parse_args(argv)))
+        return Config(**args)
     except ValueError as error:
         fail(str(error))
 
@@ -727,6 +795,11 @@ def parse_config(argv: list[str] | None = None) -> Config:
 def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     config = parse_config(argv)
+    if isinstance(config, Path):  # --replot DIR: the figures again from the saved files
+        if not all((config / name).is_file() for name in RUN_FILES):
+            fail(f"--replot: {str(config)!r} is not a saved run (needs {', '.join(RUN_FILES)})")
+        plot_run(config)
+        return print(f"redrew sweep_heatmap.png, learning_curves.png in {config}/ (no training)")
     schedule = make_schedule(config)
     try:
         env = validate(config, schedule)
@@ -742,6 +815,11 @@ def main(argv: list[str] | None = None) -> None:
         f"{plural(mesh.size, jax.default_backend() + ' device')}, "
         f"{plural(chunks, 'chunk')} per device (--agents-per-chunk)"
     )
+    if schedule.num_points != config.num_curve_points:  # a curve point is made of whole blocks
+        print(
+            f"note: {schedule.num_points} curve points, not {config.num_curve_points}: "
+            "each point of --num-curve-points is a whole number of --rng-block-steps blocks"
+        )
     if schedule.total_steps != config.total_timesteps:
         print(f"note: --total-timesteps rounded up to {schedule.total_steps} (whole blocks)")
 
@@ -752,13 +830,17 @@ def main(argv: list[str] | None = None) -> None:
         f"{rate / 1e6:.1f}M agent-steps/s ({schedule.total_steps} steps per agent)"
     )
     rows = summarize_grid(config, env, result)
-    # optimal: fraction of seeds whose final greedy path is a shortest path
+    print("optimal: share of seeds whose final greedy path from S is a shortest path; path: its")
+    print("mean length (one that never reaches G counts as the cell count); V*: value iteration")
     print(f"{'lr':>6} {'eps':>6} {'gamma':>6} {'optimal':>8} {'path':>7} {'|V(S)-V*(S)|':>13}")
     for row in rows:
+        optimal, path = (
+            row["greedy_path_optimal_fraction"]["mean"],
+            row["greedy_path_length"]["mean"],
+        )
         print(
             f"{row['learning_rate']:6g} {row['epsilon']:6g} {row['gamma']:6g} "
-            f"{row['greedy_path_optimal_fraction']:8.2f} {row['greedy_path_length']['mean']:7.1f} "
-            f"{row['start_value_abs_error']['mean']:13.4f}"
+            f"{optimal:8.2f} {path:7.1f} {row['start_value_abs_error']['mean']:13.4f}"
         )
 
     output = Path(config.output_dir)
@@ -766,8 +848,6 @@ def main(argv: list[str] | None = None) -> None:
         output.mkdir(parents=True, exist_ok=True)
     except OSError as error:  # validate() checked what it could; the OS has the last word
         fail(f"--output-dir: cannot create {config.output_dir!r}: {error}")
-    plot_heatmap(config, rows, output / "sweep_heatmap.png")
-    plot_curves(config, env, schedule, result, output / "learning_curves.png")
     summary = {
         "config": dataclasses.asdict(config),
         "versions": versions(),
@@ -777,12 +857,13 @@ def main(argv: list[str] | None = None) -> None:
         "steps_per_agent": schedule.total_steps,
         **timings,
         "agent_steps_per_s": rate,
-        "wall_time_s": time.perf_counter() - start,  # the whole command, but this write
+        "wall_time_s": time.perf_counter() - start,  # the whole command, but the writes
         "grid": rows,
     }
-    (output / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    save_run(output, summary, config, result)
+    plot_run(output)
     print(
-        f"wrote summary.json, sweep_heatmap.png, learning_curves.png to {output}/, "
+        f"wrote {', '.join(RUN_FILES)}, sweep_heatmap.png, learning_curves.png to {output}/, "
         f"wall {summary['wall_time_s']:.1f} s"
     )
 

@@ -54,7 +54,7 @@ class Config:
     # Large on purpose: one call to jax.random.bits has a fixed cost, which a large block
     # spreads over many steps (measured: see README). The words take 4 bytes a step a seed.
     steps_per_block: int = option(100_000, "steps whose random numbers are drawn in one call")
-    num_curve_points: int = option(200, "points on the learning curve, whatever the run length")
+    num_curve_points: int = option(10, "points on the learning curve (at most one per block)")
     num_recorded_episodes: int = option(500, "the first episodes whose lengths are recorded")
 
     def __post_init__(self):
@@ -349,6 +349,8 @@ def make_train(config: Config, env: GridWorld | None = None):
 
 # ruff: noqa: E402 (what only the appendix uses is imported here, so the reference copies alone)
 import argparse
+import contextlib
+import csv
 import json
 import platform
 import sys
@@ -500,13 +502,81 @@ def summarize(config: Config, env: GridWorld, q_values: np.ndarray, timings: dic
     }
 
 
-def plot(env: GridWorld, q: np.ndarray, metrics: dict, path: Path) -> None:
-    """Max-Q heatmap of seed 0 with its greedy actions, then two learning curves."""
-    from matplotlib.figure import Figure  # not pyplot: a file only, no display or backend
+def expected_episode_length(env: GridWorld, epsilon: float, gamma: float) -> float:
+    """Mean steps from S to G of epsilon-greedy on Q* (ties uniform): why even a perfect
+    learner's training episodes stay above the shortest path while it keeps exploring."""
+    q = value_iteration(env, gamma)
+    best = np.isclose(q, q.max(axis=1, keepdims=True))
+    policy = epsilon / NUM_ACTIONS + (1 - epsilon) * best / best.sum(axis=1, keepdims=True)
+    steps = np.zeros(env.num_cells)
+    for _ in range(10_000):  # steps = 1 + E[steps of the next cell], G ends it
+        steps = 1 + (policy * steps[env.map.next_cell]).sum(axis=1)
+        steps[env.map.goal] = 0.0
+    return float(steps[env.map.start])
 
+
+@contextlib.contextmanager
+def atomic_open(path: Path, mode: str = "w"):
+    """Write to a temporary name beside path, then rename: no reader sees half a file."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, mode) as file:
+        yield file
+    os.replace(temporary, path)
+
+
+def write_csv(path: Path, columns: dict) -> None:
+    """Tidy CSV: the columns, broadcast to one shape ([seeds, points]), one row per element."""
+    values = [np.ravel(c).tolist() for c in np.broadcast_arrays(*columns.values())]
+    with atomic_open(path) as file:
+        writer = csv.writer(file, lineterminator="\n")
+        writer.writerow(columns)
+        writer.writerows(zip(*values, strict=True))
+
+
+def read_csv(path: Path, num_seeds: int) -> dict:
+    """write_csv's file -> {column: float array [seeds, points]}."""
+    with open(path) as file:
+        rows = list(csv.DictReader(file))
+    return {
+        name: np.array([float(r[name]) for r in rows]).reshape(num_seeds, -1) for name in rows[0]
+    }
+
+
+RUN_FILES = ("summary.json", "curves.csv", "first_episodes.csv", "q_tables.npy")
+
+
+def save_run(output_dir: Path, summary: dict, out: dict) -> None:
+    """RUN_FILES: the summary, the curves and first episode lengths (0: not ended) per seed,
+    and the final Q-tables [seeds, rows, cols, 4]: all that the figure is drawn from."""
+    metrics, seed = out["metrics"], np.arange(len(out["q_values"]))[:, None]
+    with atomic_open(output_dir / "summary.json") as file:
+        json.dump(summary, file, indent=2, allow_nan=False)  # strict JSON: no NaN in it
+    curve = {name: metrics[name] for name in ("episodes", "mean_episode_length", "mean_return")}
+    write_csv(output_dir / "curves.csv", {"seed": seed, "step": metrics["timestep"], **curve})
+    episode = np.arange(1, metrics["episode_length"].shape[1] + 1)
+    lengths = {"seed": seed, "episode": episode, "length": metrics["episode_length"]}
+    write_csv(output_dir / "first_episodes.csv", lengths)
+    with atomic_open(output_dir / "q_tables.npy", "wb") as file:
+        np.save(file, np.asarray(out["q_values"], np.float32))
+
+
+def plot_run(run_dir: Path) -> Path:
+    """Max-Q heatmap of seed 0 with its greedy actions, then two learning curves, drawn from
+    the saved files alone (so the figure shows nothing that was not saved) -> its path."""
+    from matplotlib.figure import Figure  # not pyplot: a file only, no display or backend
+    from matplotlib.ticker import LogFormatter
+
+    config = Config(**json.loads((run_dir / "summary.json").read_text())["config"])
+    env, n = GridWorld(config.layout, config.max_episode_steps), config.num_seeds
+    q = np.load(run_dir / "q_tables.npy")[0].reshape(env.num_cells, NUM_ACTIONS)
+    curves, first = (read_csv(run_dir / name, n) for name in ("curves.csv", "first_episodes.csv"))
     fig = Figure(figsize=(18, 5), layout="tight")
     ax_map, ax_episodes, ax_steps = fig.subplots(1, 3, width_ratios=[1.2, 1, 1])
-    q = q.reshape(env.num_cells, NUM_ACTIONS)
+    fig.suptitle(
+        f"Q-learning on a {env.rows}x{env.cols} map: {plural(n, 'seed')} x "
+        f"{config.total_timesteps:,} steps, learning rate {config.learning_rate:g}, "
+        f"gamma {config.gamma:g}, epsilon {config.epsilon:g}"
+    )
     walls = env.map.grid == "#"
     value = np.ma.masked_array(q.max(axis=1).reshape(walls.shape), mask=walls)
     ax_map.set_facecolor("black")  # seen through the masked cells: the walls
@@ -523,22 +593,39 @@ def plot(env: GridWorld, q: np.ndarray, metrics: dict, path: Path) -> None:
         ax_map.text(col, row, char, ha="center", va="center", size=12, backgroundcolor="w")
     ax_map.set(title="seed 0: max-Q, greedy action (red: path from S)", xticks=[], yticks=[])
 
-    lengths = np.where(metrics["episode_length"] > 0, metrics["episode_length"], np.nan)
-    ax_episodes.set_title(f"the first {lengths.shape[1]} episodes")
-    ax_steps.set_title("the whole run (mean of the episodes ended in each stretch)")
+    lengths = np.where(first["length"] > 0, first["length"], np.nan)  # 0: not ended
+    ax_episodes.set_title(f"the first {lengths.shape[1]} episodes: length of each")
+    ax_steps.set_title(
+        "mean episode length per curve point\n(episodes ended since the previous one)"
+    )
     shortest = env.map.shortest_path_length
+    expected = expected_episode_length(env, config.epsilon, config.gamma)
     for ax, x, y, x_label in (  # y: [seeds, points], NaN where no episode ended
-        (ax_episodes, np.arange(1, lengths.shape[1] + 1), lengths, "episode"),
-        (ax_steps, metrics["timestep"][0], metrics["mean_episode_length"], "environment steps"),
+        (ax_episodes, first["episode"][0], lengths, "episode"),
+        (ax_steps, curves["step"][0], curves["mean_episode_length"], "environment steps"),
     ):
         y = np.ma.masked_invalid(y)  # mean, min and max over the seeds skip the NaN
         marker = "o" if len(x) <= 50 else None  # show where the few points are
-        ax.plot(x, y.mean(axis=0), marker=marker, label=f"mean over {plural(len(y), 'seed')}")
-        ax.fill_between(x, y.min(axis=0), y.max(axis=0), alpha=0.3, label="min to max")
+        if n == 1:  # one seed is its own curve: no band to draw
+            ax.plot(x, y[0], marker=marker, label="seed 0")
+        else:
+            ax.plot(x, y.mean(axis=0), marker=marker, label=f"mean of {n} seeds")
+            band = f"min to max of {n} seeds"
+            ax.fill_between(x, y.min(axis=0), y.max(axis=0), alpha=0.3, label=band)
         ax.axhline(shortest, color="black", ls="--", label=f"shortest path ({shortest})")
-        ax.set(yscale="log", xlabel=x_label, ylabel="episode length (steps)")
+        label = f"expected with epsilon = {config.epsilon:g} exploration ({expected:.1f})"
+        ax.axhline(expected, color="gray", ls=":", label=label)
+        # Log only where the lengths span a decade (the first episodes); plain numbers on it.
+        log = y.max() > 10 * y.min()
+        ax.set(yscale="log" if log else "linear", xlabel=x_label, ylabel="episode length (steps)")
+        if log:  # 20, 30, 100 rather than 2x10^1, 3x10^1, 10^2
+            ax.yaxis.set_major_formatter(LogFormatter())
+            ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 1)))
         ax.legend()
-    fig.savefig(path, dpi=100)
+    path = run_dir / "q_learning_gridworld.png"
+    with atomic_open(path, "wb") as file:
+        fig.savefig(file, format="png", dpi=100)
+    return path
 
 
 def plural(count: int, noun: str) -> str:
@@ -563,8 +650,9 @@ def read_layout(value: str) -> str:
         ) from None
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
-    """Config from the command line: one --flag per field, with its help and default."""
+def parse_config(argv: list[str] | None = None) -> Config | Path:
+    """Config from the command line: one --flag per field, with its help and default; or,
+    with --replot DIR, the saved run whose figure to redraw."""
     parser = argparse.ArgumentParser(
         prog="q_learning_gridworld.py",
         description=__doc__.splitlines()[0],
@@ -577,8 +665,13 @@ def parse_config(argv: list[str] | None = None) -> Config:
         convert = read_layout if field.name == "layout" else field.type
         flag = "--" + field.name.replace("_", "-")
         parser.add_argument(flag, type=convert, default=default, help=field.metadata["help"])
+    replot = {"type": Path, "metavar": "DIR", "default": argparse.SUPPRESS}  # no "(default: ...)"
+    parser.add_argument("--replot", **replot, help="redraw the figures of a saved run; no training")
+    args = vars(parser.parse_args(argv))
+    if (run_dir := args.pop("replot", None)) is not None:
+        return run_dir
     try:
-        return Config(**vars(parser.parse_args(argv)))
+        return Config(**args)
     except ValueError as error:
         fail(str(error))
 
@@ -586,10 +679,19 @@ def parse_config(argv: list[str] | None = None) -> Config:
 def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     config = parse_config(argv)
+    if isinstance(config, Path):  # --replot DIR: the figure again from the saved files
+        if not all((config / name).is_file() for name in RUN_FILES):
+            fail(f"--replot: {str(config)!r} is not a saved run (needs {', '.join(RUN_FILES)})")
+        return print(f"redrew {plot_run(config)} from the files saved there (no training)")
     env = GridWorld(config.layout, config.max_episode_steps)
     check_memory(config, env)
+    num_blocks = config.total_timesteps // config.steps_per_block
+    if config.num_curve_points > num_blocks:  # a curve point is made of whole blocks
+        print(
+            f"note: {num_blocks} curve points, not {config.num_curve_points}: --num-curve-points "
+            "is at most --total-timesteps / --steps-per-block (lower --steps-per-block for more)"
+        )
     output_dir = Path(config.output_dir)
-    summary_path, figure_path = output_dir / "summary.json", output_dir / "q_learning_gridworld.png"
     try:  # before training, so that a bad --output-dir costs no training
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -610,10 +712,11 @@ def main(argv: list[str] | None = None) -> None:
         f"{summary['optimal_seeds']} of {seeds}; V(S) = {seed_0['v_start']:.4f} vs "
         f"V*(S) = {seed_0['v_star_start']:.4f} (seed 0)"
     )
-    plot(env, out["q_values"][0], out["metrics"], figure_path)
-    summary["wall_time_s"] = time.perf_counter() - start  # the whole command, but this write
-    summary_path.write_text(json.dumps(summary, indent=2))
-    print(f"wrote {summary_path} and {figure_path}; wall {summary['wall_time_s']:.1f} s")
+    summary["wall_time_s"] = time.perf_counter() - start  # the whole command, but the writes
+    save_run(output_dir, summary, out)
+    figure_path = plot_run(output_dir)
+    print(f"wrote {', '.join(RUN_FILES)} and {figure_path.name} to {output_dir}/; "
+          f"wall {summary['wall_time_s']:.1f} s")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 iteration, list parsing, memory refusal, CLI errors, one small CLI run, and
 benchmarks/parallel_q_learning.py at a tiny size."""
 
+import csv
 import dataclasses
 import importlib.util
 import json
@@ -220,7 +221,7 @@ def test_summary_checks_each_grid_point_against_value_iteration(small):
         assert row["value_iteration_start_value"] == pytest.approx(row["gamma"] ** 17, rel=1e-5)
         lo, hi = row["greedy_path_length"]["ci95"]
         assert lo <= row["greedy_path_length"]["mean"] <= hi
-        assert 0 <= row["greedy_path_optimal_fraction"] <= 1
+        assert 0 <= row["greedy_path_optimal_fraction"]["mean"] <= 1
 
 
 # --- environment and agent pieces ----------------------------------------------------------------
@@ -344,6 +345,8 @@ def test_cli_happy_path(tmp_path):
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "agent-steps/s" in done.stdout and "3 seeds x 2 grid points" in done.stdout
+    # Not a terminal: plain progress lines, about every 10%, with the rate and the time left.
+    assert "\r" not in done.stdout + done.stderr and done.stdout.count("ETA") >= 5
     summary = json.loads((output / "summary.json").read_text())
     for key in ("config", "versions", "devices", "wall_time_s", "compile_time_s"):
         assert key in summary
@@ -351,6 +354,44 @@ def test_cli_happy_path(tmp_path):
     assert [(r["learning_rate"], r["epsilon"]) for r in summary["grid"]] == [(0.1, 0.1), (0.5, 0.1)]
     for name in ("sweep_heatmap.png", "learning_curves.png"):
         assert (output / name).stat().st_size > 0
+    # curves.csv: one row per grid point x seed x curve point, equal to what summary.json holds
+    with open(output / "curves.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert list(rows[0]) == [
+        "learning_rate", "epsilon", "gamma", "seed", "step", "episodes", "greedy_path_length",
+        "start_value",
+    ]  # fmt: skip
+    points = 20  # 2000 steps are 20 blocks of 100 (--rng-block-steps): at most 20 points
+    assert "note: 20 curve points, not 50" in done.stdout
+    assert len(rows) == 2 * 3 * points and rows[-1]["step"] == str(summary["steps_per_agent"])
+    for g, grid_row in enumerate(summary["grid"]):
+        mine = rows[g * 3 * points : (g + 1) * 3 * points]
+        assert {float(r["learning_rate"]) for r in mine} == {grid_row["learning_rate"]}
+        final = [float(r["greedy_path_length"]) for r in mine[points - 1 :: points]]
+        assert np.mean(final) == pytest.approx(grid_row["greedy_path_length"]["mean"])
+        episodes = np.sum([float(r["episodes"]) for r in mine]) / 3
+        assert episodes == pytest.approx(grid_row["episodes_completed"]["mean"])
+    assert np.load(output / "q_tables.npy").shape == (2, 3, 8, 12, 4)
+    # --replot: the same figures again from the saved files alone, no JAX compile
+    for name in ("sweep_heatmap.png", "learning_curves.png"):
+        (output / name).unlink()
+    replot = [sys.executable, str(SCRIPT), "--replot", str(output)]
+    done = subprocess.run(replot, capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and done.stdout.count("\n") == 1, done.stderr[-2000:]
+    for name in ("sweep_heatmap.png", "learning_curves.png"):
+        assert (output / name).stat().st_size > 0
+
+
+def test_replot_does_not_train_and_a_bad_folder_is_one_line(tmp_path, capsys, monkeypatch):
+    def no_training(*args, **kwargs):
+        raise AssertionError("--replot must not train or compile")
+
+    monkeypatch.setattr(pq, "run_sweep", no_training)
+    monkeypatch.setattr(jax, "jit", no_training)
+    with pytest.raises(SystemExit) as exit_info:
+        pq.main(["--replot", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "--replot" in err, err
 
 
 def test_help_shows_defaults_as_typed(capsys):

@@ -547,6 +547,7 @@ def test_cli_happy_path_writes_summary_and_figure(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "agent-steps/s" in result.stdout and "compile" in result.stdout
+    assert "\r" not in result.stdout + result.stderr  # plain lines in a log file
     summary = json.loads((output_dir / "summary.json").read_text())
     for key in ("config", "versions", "devices", "wall_time_s", "compile_time_s", "train_time_s"):
         assert key in summary
@@ -573,3 +574,67 @@ def test_benchmark_runs_from_the_repository_at_a_tiny_size():
     )
     assert result.returncode == 0, result.stderr
     assert re.search(r"^ratio: [0-9]+x", result.stdout, re.MULTILINE), result.stdout
+
+
+# ------------------------------------------------------------------------------------------
+# Saved runs: curves.csv, q_tables.npy, --replot
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A small run saved by main, and what training returns for the same config and keys."""
+    output_dir = tmp_path_factory.mktemp("saved")
+    argv = ["--num-seeds", "2", "--output-dir", str(output_dir)]
+    argv += [f"--{name.replace('_', '-')}={value}" for name, value in SMALL.items()]
+    qlg.main(argv)
+    config = qlg.Config(num_seeds=2, **SMALL)
+    out, _ = qlg.train_seeds(qlg.make_train(config), config.seed, config.num_seeds)
+    return output_dir, out
+
+
+def test_curves_csv_and_q_tables_round_trip(saved_run):
+    output_dir, out = saved_run
+    curves = qlg.read_csv(output_dir / "curves.csv", 2)
+    columns = ["seed", "step", "episodes", "mean_episode_length", "mean_return"]
+    assert list(curves) == columns and curves["step"].shape == (2, SMALL["num_curve_points"])
+    np.testing.assert_array_equal(curves["seed"], [[0] * 10, [1] * 10])
+    np.testing.assert_array_equal(curves["step"], out["metrics"]["timestep"])
+    for name in columns[2:]:
+        np.testing.assert_array_equal(curves[name], out["metrics"][name])
+    first = qlg.read_csv(output_dir / "first_episodes.csv", 2)
+    np.testing.assert_array_equal(first["length"], out["metrics"]["episode_length"])
+    q_tables = np.load(output_dir / "q_tables.npy")
+    assert q_tables.dtype == np.float32 and q_tables.shape == (2, 8, 12, 4)
+    np.testing.assert_array_equal(q_tables, out["q_values"])
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["config"]["num_seeds"] == 2 and len(summary["seeds"]) == 2
+
+
+def test_replot_redraws_the_figure_without_training(saved_run, monkeypatch, capsys):
+    output_dir, _ = saved_run
+    figure = output_dir / "q_learning_gridworld.png"
+    figure.unlink()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("--replot must not train or compile")
+
+    monkeypatch.setattr(qlg, "train_seeds", no_training)
+    monkeypatch.setattr(jax, "jit", no_training)
+    qlg.main(["--replot", str(output_dir)])
+    assert figure.stat().st_size > 10_000
+    assert capsys.readouterr().out.count("\n") == 1
+
+
+def test_replot_of_a_folder_that_is_no_run_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        qlg.main(["--replot", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "--replot" in err, err
+
+
+def test_too_many_curve_points_is_a_note_naming_the_flag(tmp_path, capsys):
+    argv = ["--total-timesteps", "300", "--steps-per-block", "100", "--num-curve-points", "7"]
+    qlg.main([*argv, "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "note: 3 curve points, not 7" in out and "--num-curve-points" in out
