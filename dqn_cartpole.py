@@ -1,14 +1,16 @@
-"""DQN on CartPole-v1 for many seeds at once, in one compiled call (PureJaxRL style).
+"""DQN on CartPole-v1 or any gymnax env, many seeds at once in one compiled call (PureJaxRL style).
 
     python dqn_cartpole.py --num-seeds 512                     # train 512 independent agents
     python dqn_cartpole.py --load runs/dqn_cartpole --render   # re-evaluate them, write a GIF
+    python dqn_cartpole.py --env gymnax:Acrobot-v1 --gamma 0.99,0.995 --num-seeds 64  # a sweep
 
-The whole experiment (acting, replay buffer, updates, target network, greedy evaluation) is
-one pure function from a key to params and metrics. Seed i trains on fold_in(key(seed), i):
+The whole experiment (acting, replay buffer, updates, target network, greedy evaluation) is one
+pure function from a key and HParams to params and metrics. Seed i trains on fold_in(key(seed), i):
 
     train = make_train(Config())
     keys = jax.vmap(partial(jax.random.fold_in, jax.random.key(0)))(jnp.arange(512))
     out = jax.jit(jax.vmap(train))(keys)  # {"params": [512, ...], "metrics": [512, evals]}
+    out = jax.jit(jax.vmap(train))(keys, hparams)  # a sweep: HParams of arrays [512]
 
 Above the appendix line: that reference, complete on its own. Below: running it sharded, reports.
 """
@@ -38,7 +40,6 @@ def option(default: Any, help: str) -> Any:
     return dataclasses.field(default=default, metadata={"help": help})
 
 
-ENVS = ("cartpole", "gymnax")
 MAX_EVAL_POINTS = 1_000  # bounds the metrics memory: points per learning curve
 
 
@@ -68,8 +69,8 @@ class Config:
     double_dqn: bool = option(True, "Double DQN target: online net picks, target net rates")
     eval_every: int = option(5_000, "environment steps between greedy evaluations")
     eval_episodes: int = option(10, "fresh episodes per greedy evaluation (epsilon 0)")
-    env: str = option("cartpole", "cartpole (ours) or gymnax (gymnax.make('CartPole-v1'))")
-    output_dir: str = option("runs/dqn_cartpole", "where summary, figures and params go")
+    env: str = option("cartpole", "cartpole (ours), gymnax (its CartPole-v1) or gymnax:<id>")
+    output_dir: str = option("runs/dqn_{env}", "where summary, figures and params go")
 
     @property
     def block_steps(self) -> int:
@@ -89,15 +90,7 @@ class Config:
         checks += [
             ("hidden_sizes", widths_ok, "needs one or more widths >= 1, e.g. 64,64"),
             ("learning_starts", self.learning_starts >= 0, "must be >= 0"),
-            ("learning_rate", self.learning_rate > 0, "must be > 0"),
-            ("max_grad_norm", self.max_grad_norm > 0, "must be > 0"),
-            ("tau", 0 < self.tau <= 1, "must be in (0, 1]"),
-            ("gamma", 0 <= self.gamma < 1, "must be in [0, 1)"),
-            ("epsilon_start", 0 <= self.epsilon_start <= 1, "must be in [0, 1]"),
-            ("epsilon_end", 0 <= self.epsilon_end <= 1, "must be in [0, 1]"),
-            ("exploration_fraction", 0 < self.exploration_fraction <= 1, "must be in (0, 1]"),
             ("batch_size", self.batch_size <= self.buffer_size, "must be <= --buffer-size"),
-            ("env", self.env in ENVS, f"unknown env {self.env!r}; choose from {ENVS}"),
             ("total_timesteps", steps % block == 0, "must be a multiple of --eval-every"),
             ("eval_every", updates_fit, "must be a multiple of --train-frequency"),
             ("eval_every", few_evals, f"is too small: more than {MAX_EVAL_POINTS} evaluations"),
@@ -105,6 +98,19 @@ class Config:
         for name, ok, problem in checks:
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')} {problem}")
+
+
+class HParams(NamedTuple):
+    """The hyperparameters that change no array shape, as data: arrays [agents] under
+    jax.vmap(train) make one compiled call a sweep. The command line checks their values."""
+
+    learning_rate: jax.Array | float
+    gamma: jax.Array | float
+    tau: jax.Array | float
+    max_grad_norm: jax.Array | float
+    epsilon_start: jax.Array | float
+    epsilon_end: jax.Array | float
+    exploration_fraction: jax.Array | float
 
 
 # ---- Environment: CartPole-v1 as Gymnasium defines it, with gymnax 1.0's API ------------
@@ -133,13 +139,10 @@ class EnvParams:
 
 
 class CartPole:
-    """Gymnasium's CartPole-v1 in JAX with gymnax 1.0's API.
-
-    `step` returns (obs, state, reward, terminated, truncated, info) and resets by
-    itself when the episode ends; the observation that ended the episode is in
-    info["final_observation"]. Terminated (the pole fell or the cart left) and
-    truncated (500 steps) stay apart: only the first one is a terminal state.
-    """
+    """Gymnasium's CartPole-v1 in JAX with gymnax 1.0's API: `step` returns (obs, state,
+    reward, terminated, truncated, info) and resets by itself when the episode ends, with the
+    observation that ended it in info["final_observation"]. Terminated (the pole fell or the
+    cart left) and truncated (500 steps) stay apart: only the first one is a terminal state."""
 
     num_actions = 2
     default_params = EnvParams()
@@ -257,7 +260,7 @@ def epsilon_greedy(key: jax.Array, q_values: jax.Array, epsilon: jax.Array) -> j
 
 def td_target(reward, terminated, next_q_target, next_q_online, gamma: float, double_dqn: bool):
     """r + gamma * Q(s', a') unless s' is terminal. A truncated s' still bootstraps:
-    the time limit is not part of the task, the pole was still up."""
+    the time limit is not part of the task, the episode was not over."""
     if double_dqn:  # van Hasselt et al. 2016: the online net picks, the target net rates
         best = jnp.argmax(next_q_online, axis=-1)
         next_value = jnp.take_along_axis(next_q_target, best[..., None], axis=-1)[..., 0]
@@ -280,12 +283,10 @@ def dqn_loss(params, target_params, apply_fn, batch: Transition, gamma: float, d
 
 
 def greedy_episodes(key, params, env, network: QNetwork, num_episodes: int, keep_obs=False):
-    """Returns [episodes] of fresh greedy (epsilon 0) episodes run side by side, each for the
-    full time limit with the steps after its end masked; `keep_obs`: also (obs, alive), each
-    [steps, episodes, ...], to draw them."""
+    """Returns [episodes] of fresh greedy (epsilon 0) episodes run side by side, each for the full
+    time limit, steps after its end masked; `keep_obs`: also (obs, alive) [steps, episodes, ...]."""
     obs, state = jax.vmap(env.reset)(jax.random.split(key, num_episodes))  # [episodes, obs]
-    # One key for every episode's step: it only seeds the auto-resets after an episode's
-    # end, which we never look at.
+    # One key for all the episodes' steps: it only seeds auto-resets after their end, unseen.
     step = jax.vmap(env.step, in_axes=(None, 0, 0))
 
     def eval_step(carry, _):
@@ -313,33 +314,34 @@ class Carry(NamedTuple):
 
 
 def make_train(config: Config, env=None, network=None, progress_callback=None):
-    """Returns train(key) -> {"params", "metrics"}: the whole experiment for one seed.
-
-    Time is nested: blocks of `eval_every` steps, each ending in a greedy evaluation, made of
-    iterations of `train_frequency` env steps and one update. `env` defaults to our CartPole;
-    `progress_callback(env_steps_done)` is called from inside the loop ~200 times per run.
-    """
+    """Returns train(key, hparams=None) -> {"params", "metrics"}: one seed's whole experiment,
+    with the Config's hyperparameters if hparams is None. Time is nested: blocks of `eval_every`
+    steps, each ending in a greedy evaluation, made of iterations of `train_frequency` env steps
+    and one update. `progress_callback(env_steps_done)` is called ~200 times per run."""
     env = CartPole() if env is None else env
     if network is None:
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
     block = config.block_steps
     num_blocks = config.total_timesteps // block
     iters_per_block = block // config.train_frequency
-    # The step size decays over the updates that will actually happen.
     num_updates = (config.total_timesteps - config.learning_starts) // config.train_frequency
-    lr = config.learning_rate
-    if config.anneal_lr:
-        lr = optax.linear_schedule(config.learning_rate, 0.0, max(1, num_updates))
-    optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), optax.adam(lr))
-    decay_steps = max(1, int(config.exploration_fraction * config.total_timesteps))
-    epsilon_at = optax.linear_schedule(config.epsilon_start, config.epsilon_end, decay_steps)
     # Report progress ~200 times: often enough for a smooth ETA, rare enough to be free.
     report_every = max(1, num_blocks * iters_per_block // 200)
 
-    def env_step(carry: Carry, xs) -> tuple[Carry, dict]:
+    def make_optimizer(hp: HParams):
+        lr = hp.learning_rate
+        if config.anneal_lr:  # decays over the updates that will actually happen
+            lr = optax.linear_schedule(hp.learning_rate, 0.0, max(1, num_updates))
+        return optax.chain(optax.clip_by_global_norm(hp.max_grad_norm), optax.adam(lr))
+
+    def env_step(hp: HParams, carry: Carry, xs) -> tuple[Carry, dict]:
         step, act_key, env_key = xs
+        # Linear decay over the first exploration_fraction of the run, scheduled on the progress
+        # in [0, 1]: a schedule's length in steps must be static, and here it is data.
+        decay = optax.linear_schedule(hp.epsilon_start, hp.epsilon_end, transition_steps=1)
+        epsilon = decay(step / (hp.exploration_fraction * config.total_timesteps))
         q_values = network.apply(carry.agent.params, carry.obs)  # [actions]
-        action = epsilon_greedy(act_key, q_values, epsilon_at(step))
+        action = epsilon_greedy(act_key, q_values, epsilon)
         obs, env_state, reward, terminated, truncated, info = env.step(
             env_key, carry.env_state, action
         )
@@ -361,36 +363,36 @@ def make_train(config: Config, env=None, network=None, progress_callback=None):
         # An episode's return is reported on its last step only.
         return carry, {"finished_return": jnp.where(done, episode_return, 0.0), "done": done}
 
-    def update(agent: AgentState, batch: Transition):
+    def update(hp: HParams, agent: AgentState, batch: Transition):
         loss, grads = jax.value_and_grad(dqn_loss)(
-            agent.params, agent.target_params, network.apply, batch, config.gamma, config.double_dqn
+            agent.params, agent.target_params, network.apply, batch, hp.gamma, config.double_dqn
         )
-        updates, opt_state = optimizer.update(grads, agent.opt_state, agent.params)
+        updates, opt_state = make_optimizer(hp).update(grads, agent.opt_state, agent.params)
         params = optax.apply_updates(agent.params, updates)
         return agent._replace(params=params, opt_state=opt_state), loss
 
-    def iteration(carry: Carry, xs) -> tuple[Carry, dict]:
+    def no_update(hp: HParams, agent: AgentState, batch: Transition):  # before learning_starts
+        return agent, jnp.float32(0.0)
+
+    def iteration(hp: HParams, carry: Carry, xs) -> tuple[Carry, dict]:
         it, act_keys, env_keys, sample_key = xs  # it: global iteration index (not per seed)
         first_step = it * config.train_frequency
         steps = first_step + jnp.arange(config.train_frequency)
-        carry, steps_info = jax.lax.scan(env_step, carry, (steps, act_keys, env_keys))
+        carry, steps_info = jax.lax.scan(partial(env_step, hp), carry, (steps, act_keys, env_keys))
         steps_done = first_step + config.train_frequency
 
-        # The predicates below depend on the step count only, which is the same for
-        # every seed, so under vmap they stay real branches: no wasted updates.
+        # The predicates below depend on the step count only, which is the same for every seed,
+        # so under vmap they stay real branches: no wasted updates.
         learn = steps_done >= config.learning_starts
-        # Sampled outside the branch so that the branch takes the small batch, not
-        # the whole buffer, as its operand.
+        # Sampled outside the branch, so that the branch takes the small batch as its operand.
         batch = buffer_sample(carry.buffer, sample_key, config.batch_size)
-        agent, loss = jax.lax.cond(
-            learn, update, lambda agent, batch: (agent, jnp.float32(0.0)), carry.agent, batch
-        )
+        agent, loss = jax.lax.cond(learn, update, no_update, hp, carry.agent, batch)
         # A target update whenever this iteration crossed a multiple of the interval.
         interval = config.target_update_interval
         cross = steps_done // interval > first_step // interval
         target = jax.lax.cond(
             learn & cross,
-            lambda a: optax.incremental_update(a.params, a.target_params, config.tau),
+            lambda a: optax.incremental_update(a.params, a.target_params, hp.tau),
             lambda a: a.target_params,
             agent,
         )
@@ -401,7 +403,7 @@ def make_train(config: Config, env=None, network=None, progress_callback=None):
             jax.lax.cond((it + 1) % report_every == 0, report, lambda: None)
         return carry, {"loss": loss, "updated": learn, **steps_info}  # loss 0 if no update
 
-    def train_block(carry: Carry, block_index) -> tuple[Carry, dict]:
+    def train_block(hp: HParams, carry: Carry, block_index) -> tuple[Carry, dict]:
         # One split per block: all the randomness of `eval_every` steps drawn at once.
         key, act_key, env_key, sample_key, eval_key = jax.random.split(carry.key, 5)
         shape = (iters_per_block, config.train_frequency)
@@ -411,7 +413,7 @@ def make_train(config: Config, env=None, network=None, progress_callback=None):
             jax.random.split(env_key, shape),
             jax.random.split(sample_key, iters_per_block),
         )
-        carry, info = jax.lax.scan(iteration, carry._replace(key=key), xs)
+        carry, info = jax.lax.scan(partial(iteration, hp), carry._replace(key=key), xs)
         returns = greedy_episodes(eval_key, carry.agent.params, env, network, config.eval_episodes)
         episodes, updates = info["done"].sum(), info["updated"].sum()
         train_return = info["finished_return"].sum() / episodes
@@ -425,19 +427,21 @@ def make_train(config: Config, env=None, network=None, progress_callback=None):
         }
         return carry, metrics
 
-    def train(key: jax.Array) -> dict:
+    def train(key: jax.Array, hparams: HParams | None = None) -> dict:
+        hp = HParams(*(getattr(config, n) for n in HParams._fields)) if hparams is None else hparams
         key, init_key, reset_key = jax.random.split(key, 3)
         obs, env_state = env.reset(reset_key)
         params = network.init(init_key, obs)
+        opt_state = make_optimizer(hp).init(params)
         carry = Carry(
-            agent=AgentState(params=params, target_params=params, opt_state=optimizer.init(params)),
+            agent=AgentState(params=params, target_params=params, opt_state=opt_state),
             buffer=buffer_init(config.buffer_size, obs.shape[-1]),
             env_state=env_state,
             obs=obs,
             episode_return=jnp.float32(0.0),
             key=key,
         )
-        carry, metrics = jax.lax.scan(train_block, carry, jnp.arange(num_blocks))
+        carry, metrics = jax.lax.scan(partial(train_block, hp), carry, jnp.arange(num_blocks))
         return {"params": carry.agent.params, "metrics": metrics}  # metrics: [blocks]
 
     return train
@@ -447,6 +451,7 @@ def make_train(config: Config, env=None, network=None, progress_callback=None):
 # ruff: noqa: E402  (the reference above runs on its own imports; these serve the machinery)
 import argparse
 import importlib.metadata
+import itertools
 import json
 import platform
 import sys
@@ -458,26 +463,83 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-SOLVED_RETURN = 475.0  # Gymnasium's reward_threshold for CartPole-v1
 BOOTSTRAP_SAMPLES = 2_000
 # On a CPU, seeds vmapped 16 at a time, batch after batch, stay in cache: faster than all
 # of a device's seeds at once (measured: see README). A GPU wants every seed at once.
 CPU_SEEDS_PER_BATCH = 16
+# Gymnasium's reward_threshold for the ids it registers too (gymnasium/envs/__init__.py). A
+# table rather than gymnasium.spec(id): running the script does not need gymnasium installed.
+SOLVED_RETURNS = {"CartPole-v1": 475.0, "Acrobot-v1": -100.0, "MountainCar-v0": -110.0}
+SOME_ENVS = "cartpole, gymnax, gymnax:Acrobot-v1, gymnax:MountainCar-v0, gymnax:Breakout-MinAtar"
+# The values the update rule can use. The command line checks every grid point's: HParams are
+# data, which train() takes as they come.
+HPARAM_RULES = {
+    "learning_rate": (lambda x: x > 0, "must be > 0"),
+    "gamma": (lambda x: 0 <= x < 1, "must be in [0, 1)"),
+    "tau": (lambda x: 0 < x <= 1, "must be in (0, 1]"),
+    "max_grad_norm": (lambda x: x > 0, "must be > 0"),
+    "epsilon_start": (lambda x: 0 <= x <= 1, "must be in [0, 1]"),
+    "epsilon_end": (lambda x: 0 <= x <= 1, "must be in [0, 1]"),
+    "exploration_fraction": (lambda x: 0 < x <= 1, "must be in (0, 1]"),
+}
 
 
-def make_env(name: str):
-    """Our CartPole, or gymnax's, which steps with the same API (gymnax 1.0)."""
-    if name != "gymnax":
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def gymnax_id(env: str) -> str:
+    """The gymnax id of the environment an --env value names (our CartPole is CartPole-v1)."""
+    if env in ("cartpole", "gymnax"):
+        return "CartPole-v1"
+    if not env.startswith("gymnax:"):
+        raise ValueError(f"--env {env} is unknown; try {SOME_ENVS}")
+    return env.removeprefix("gymnax:")
+
+
+def make_env(env: str):
+    """Our CartPole, or a gymnax environment with discrete actions (the same step API, gymnax
+    1.0), its observations flattened to one vector (MinAtar's are 10x10 images with channels)."""
+    if env == "cartpole":
         return CartPole()
-    import gymnax  # imported here: it takes a second or two, and only `--env gymnax` needs it
+    import gymnax  # imported here: it takes a second or two, and only gymnax envs need it
+    from gymnax.environments.spaces import Discrete
+    from gymnax.wrappers.purerl import FlattenObservationWrapper
 
-    return gymnax.make("CartPole-v1")[0]
+    env_id = gymnax_id(env)
+    try:
+        gym_env, params = gymnax.make(env_id)
+    except ValueError:
+        raise ValueError(f"--env {env}: gymnax has no {env_id}; try {SOME_ENVS}") from None
+    if not isinstance(gym_env.action_space(params), Discrete):
+        raise ValueError(f"--env {env}: DQN needs discrete actions, {env_id} has continuous ones")
+    obs = jax.eval_shape(gym_env.reset, jax.random.key(0))[0]
+    return gym_env if obs.ndim == 1 else FlattenObservationWrapper(gym_env)
+
+
+def grid_points(lists: dict[str, tuple[float, ...]]) -> list[dict[str, float]]:
+    """Every combination of the hyperparameter lists, the first flag changing slowest;
+    ValueError('--flag problem') for a value the update rule cannot use."""
+    for name, values in lists.items():
+        valid, problem = HPARAM_RULES[name]
+        if not all(valid(value) for value in values):  # False for NaN too
+            raise ValueError(f"{flag(name)} {problem}")
+    return [dict(zip(lists, values, strict=True)) for values in itertools.product(*lists.values())]
+
+
+def hparams_of(config: Config) -> dict[str, float]:
+    return {name: getattr(config, name) for name in HParams._fields}
+
+
+def hparam_grid(points: list[dict[str, float]]) -> HParams:
+    """The grid points as one HParams of float32 arrays [points]."""
+    return HParams(*np.array([[p[name] for name in HParams._fields] for p in points], np.float32).T)
 
 
 class SeedPlan(NamedTuple):
     num_devices: int
-    padded_seeds: int  # num_seeds rounded up to a multiple of num_devices
-    seeds_per_batch: int  # per device: seeds vmapped at once (lax.map runs the batches)
+    padded_seeds: int  # agents (grid points x seeds) rounded up to a multiple of num_devices
+    seeds_per_batch: int  # per device: agents vmapped at once (lax.map runs the batches)
     bytes_per_seed: int
 
 
@@ -490,7 +552,7 @@ def bytes_per_seed(config: Config, env, network: QNetwork) -> int:
     words += config.buffer_size * (2 * obs.size + 3)  # the replay buffer
     words += 2 * (2 * block + block // config.train_frequency + 5)  # one block's keys
     words += 6 * config.batch_size * sum(widths)  # an update's activations
-    words += 4 * config.eval_episodes * (max(widths) + 16)  # the greedy evaluation
+    words += 4 * config.eval_episodes * (max(widths) + obs.size)  # the greedy evaluation
     words += 4 * (config.total_timesteps // block)  # the metrics
     return 2 * 4 * words  # 4-byte words; x2 for the temporaries XLA keeps beside the loop
 
@@ -503,11 +565,11 @@ def bytes_available(device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") // jax.device_count()
 
 
-def plan_seeds(config: Config, need: int, memory_fraction: float = 0.5) -> SeedPlan:
-    """Pad the seeds to a multiple of the device count; batch them when they do not fit
-    (on a CPU, at most CPU_SEEDS_PER_BATCH). MemoryError when not even one seed fits."""
+def plan_seeds(num_agents: int, need: int, memory_fraction: float = 0.5) -> SeedPlan:
+    """Pad the agents to a multiple of the device count; batch them when they do not fit
+    (on a CPU, at most CPU_SEEDS_PER_BATCH). MemoryError when not even one agent fits."""
     devices = jax.devices()
-    padded = -(-config.num_seeds // len(devices)) * len(devices)
+    padded = -(-num_agents // len(devices)) * len(devices)
     available = bytes_available(devices[0])
     fits = int(memory_fraction * available) // need
     if fits < 1:
@@ -522,50 +584,56 @@ def plan_seeds(config: Config, need: int, memory_fraction: float = 0.5) -> SeedP
     return SeedPlan(len(devices), padded, batch, need)
 
 
-def train_seeds(train, seed: int, plan: SeedPlan):
-    """jax.jit(jax.vmap(train)) over seeds 0..padded_seeds-1, sharded over every device; seed
-    i's key, fold_in(key(seed), i), is made inside jit straight into its shard. With fewer seeds
-    per batch than a device holds, each device vmaps a batch at a time, batch after batch
-    (lax.map). Returns (output, padding seeds included; compile s; train s)."""
+def train_agents(train, seed: int, num_seeds: int, grid: HParams, plan: SeedPlan):
+    """jax.jit(jax.vmap(train)) over (key, hparams) pairs, one per agent, sharded over every
+    device. Agent a trains grid point a // num_seeds on seed i = a % num_seeds, key
+    fold_in(key(seed), i): every grid point gets the same seeds' keys, on purpose (common random
+    numbers: a difference between points is not the luck of the draw). Keys and hparams are made
+    inside jit straight into their shards. With fewer agents per batch than a device holds, each
+    device vmaps a batch at a time (lax.map). Returns (output, padding agents included; compile
+    s; train s)."""
     mesh = Mesh(np.array(jax.devices()), ("seeds",))
     sharding = NamedSharding(mesh, PartitionSpec("seeds"))
 
     @partial(jax.jit, out_shardings=sharding)
-    def make_keys():
-        base = jax.random.key(seed)
-        return jax.vmap(partial(jax.random.fold_in, base))(jnp.arange(plan.padded_seeds))
+    def make_inputs(grid: HParams):
+        agent = jnp.arange(plan.padded_seeds)  # the padding agents repeat the last grid point
+        keys = jax.vmap(partial(jax.random.fold_in, jax.random.key(seed)))(agent % num_seeds)
+        point = jnp.minimum(agent // num_seeds, len(grid.gamma) - 1)
+        return keys, jax.tree.map(lambda x: x[point], grid)
 
-    def train_all(keys):
+    def train_all(keys, hparams):
         if plan.seeds_per_batch * plan.num_devices == plan.padded_seeds:
-            return jax.vmap(train)(keys)
-        per_device = keys.reshape(plan.num_devices, -1)  # [devices, seeds per device]
-        out = jax.vmap(partial(jax.lax.map, train, batch_size=plan.seeds_per_batch))(per_device)
+            return jax.vmap(train)(keys, hparams)
+        per_device = jax.tree.map(lambda x: x.reshape(plan.num_devices, -1), (keys, hparams))
+        batches = partial(jax.lax.map, lambda pair: train(*pair), batch_size=plan.seeds_per_batch)
+        out = jax.vmap(batches)(per_device)  # [devices, agents per device, ...]
         return jax.tree.map(lambda x: x.reshape(plan.padded_seeds, *x.shape[2:]), out)
 
-    keys = make_keys()
+    keys, hparams = make_inputs(grid)
     start = time.perf_counter()
-    compiled = jax.jit(train_all, out_shardings=sharding).lower(keys).compile()
+    compiled = jax.jit(train_all, out_shardings=sharding).lower(keys, hparams).compile()
     compile_s, start = time.perf_counter() - start, time.perf_counter()
-    out = jax.block_until_ready(compiled(keys))
+    out = jax.block_until_ready(compiled(keys, hparams))
     train_s = time.perf_counter() - start
     return jax.device_get(out), compile_s, train_s
 
 
 class Progress:
-    """One tqdm bar for all seeds, fed by `jax.debug.callback` from inside the compiled loop.
-    XLA calls it once per report, not per seed or device (the step count is the same for
-    every seed); a count that goes down means the next batch of seeds began (lax.map)."""
+    """One tqdm bar for all agents, fed by `jax.debug.callback` from inside the compiled loop.
+    XLA calls it once per report, not per agent or device (the step count is the same for
+    every agent); a count that goes down means the next batch of agents began (lax.map)."""
 
-    def __init__(self, config: Config, plan: SeedPlan):
+    def __init__(self, num_agents: int, total_timesteps: int, plan: SeedPlan):
         batches = plan.padded_seeds // plan.num_devices // plan.seeds_per_batch
-        self.seeds_per_step = config.num_seeds / batches  # padding seeds not counted
-        self.total, self.last, self.bar = config.num_seeds * config.total_timesteps, 0, None
+        self.agents_per_step = num_agents / batches  # padding agents not counted
+        self.total, self.last, self.bar = num_agents * total_timesteps, 0, None
 
     def __call__(self, steps_done) -> None:
         steps = int(steps_done)
         if self.bar is None:  # opened at the first report: its ETA leaves compiling out
             self.bar = tqdm(total=self.total, unit="agent-steps", unit_scale=True, file=sys.stderr)
-        self.bar.update((steps - self.last if steps > self.last else steps) * self.seeds_per_step)
+        self.bar.update((steps - self.last if steps > self.last else steps) * self.agents_per_step)
         self.last = steps
 
     def close(self) -> None:
@@ -590,42 +658,129 @@ def iqm(values: np.ndarray, axis: int) -> np.ndarray:
     return middle.mean(axis=axis)
 
 
-def summarize(config: Config, returns: np.ndarray, **extra) -> dict:
-    """summary.json (or load_summary.json): the run, the machine, the final scores."""
-    names = ("jax", "jaxlib", "flax", "optax", "distrax", "gymnax", "numpy", "matplotlib")
-    versions = {name: importlib.metadata.version(name) for name in names}
-    value, low, high = bootstrap_iqm(returns, config.seed)
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> list[float]:
+    """95% Wilson score interval of a share (Wilson 1927): unlike p +- z sqrt(p (1-p) / n) it
+    stays inside [0, 1] and is not zero-wide at 0% or 100%, where a few seeds often land."""
+    p, shrink = successes / n, 1 + z**2 / n
+    center = (p + z**2 / (2 * n)) / shrink
+    half = z * math.sqrt(p * (1 - p) / n + z**2 / (4 * n**2)) / shrink
+    return [max(0.0, center - half), min(1.0, center + half)]
+
+
+def scores(final: np.ndarray, solved: float | None, seed: int) -> dict:
+    """One configuration's final greedy returns over its seeds: the solved share with its 95%
+    Wilson interval (None without a solved return), the IQM with its bootstrap CI, median, mean."""
+    value, low, high = bootstrap_iqm(final, seed)
+    hits = None if solved is None else int(np.sum(final >= solved))
     return {
-        "config": dataclasses.asdict(config),
-        "versions": {"python": platform.python_version(), **versions},
-        "devices": [str(d) for d in jax.devices()],
-        **extra,
-        "final_eval_return": returns.tolist(),
-        "solved_fraction": float(np.mean(returns >= SOLVED_RETURN)),
+        "final_eval_return": final.tolist(),
+        "solved_fraction": None if hits is None else hits / len(final),
+        "solved_ci95": None if hits is None else wilson_interval(hits, len(final)),
         "iqm": {"value": float(value), "ci95": [float(low), float(high)]},
-        "median": float(np.median(returns)),
-        "mean": float(np.mean(returns)),
+        "median": float(np.median(final)),
+        "mean": float(np.mean(final)),
     }
 
 
-def plot_learning_curves(steps: np.ndarray, returns: np.ndarray, seed: int, path: Path) -> None:
+def training_scores(returns: np.ndarray, steps: np.ndarray, solved, seed: int) -> dict:
+    """scores() of the last evaluation, with the run behind it: the best evaluation along the way
+    (beside the final one, never instead of it) and the IQM learning curve. returns: [seeds,
+    evals]."""
+    best = returns.max(axis=1)
+    curve = zip(("iqm", "ci95_low", "ci95_high"), bootstrap_iqm(returns, seed), strict=True)
+    return {
+        **scores(returns[:, -1], solved, seed),
+        "best_eval_return": best.tolist(),
+        "solved_along_the_way": None if solved is None else float(np.mean(best >= solved)),
+        "curve": {"step": steps.tolist(), **{name: v.tolist() for name, v in curve}},
+    }
+
+
+def ranked(results: list[dict]) -> list[int]:
+    """Grid point indices, best first: by solved share, then by IQM."""
+    return sorted(
+        range(len(results)),
+        key=lambda g: (results[g]["solved_fraction"] or 0.0, results[g]["iqm"]["value"]),
+        reverse=True,
+    )
+
+
+def summarize(config: Config, environment: dict, points: list, results: list, **extra) -> dict:
+    """summary.json (or load_summary.json): the run, the machine, the scores; a sweep's scores
+    per grid point under "grid", in grid order."""
+    names = ("jax", "jaxlib", "flax", "optax", "distrax", "gymnax", "numpy", "matplotlib")
+    versions = {name: importlib.metadata.version(name) for name in names}
+    summary = {
+        "config": dataclasses.asdict(config),
+        "environment": environment,
+        "versions": {"python": platform.python_version(), **versions},
+        "devices": [str(d) for d in jax.devices()],
+        **extra,
+    }
+    if len(points) == 1:
+        return {**summary, **results[0]}
+    return {**summary, "grid": [{"hparams": p, **r} for p, r in zip(points, results, strict=True)]}
+
+
+def score_line(result: dict, solved: float | None) -> str:
+    """'solved (>= 475) 60.0% [46.2%, 72.4%], IQM 480.1 [470.3, 490.0], median 482.0'"""
+    value, (low, high) = result["iqm"]["value"], result["iqm"]["ci95"]
+    text = f"IQM {value:.1f} [{low:.1f}, {high:.1f}], median {result['median']:.1f}"
+    if solved is None:
+        return text
+    share, (share_low, share_high) = result["solved_fraction"], result["solved_ci95"]
+    return f"solved (>= {solved:g}) {share:.1%} [{share_low:.1%}, {share_high:.1%}], {text}"
+
+
+def plot_learning_curves(returns: np.ndarray, result: dict, solved, title: str, path: Path):
     import matplotlib.pyplot as plt  # here: only a run that plots pays for the import
 
-    value, low, high = bootstrap_iqm(returns, seed)  # returns: [seeds, evals]
+    curve = result["curve"]  # returns: [seeds, evals]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, returns.T, color="tab:blue", alpha=min(0.3, 5 / len(returns)), lw=0.6)
-    ax.fill_between(steps, low, high, color="tab:orange", alpha=0.35, label="95% bootstrap CI")
-    ax.plot(steps, value, color="tab:orange", lw=2, marker="o", ms=3, label="IQM over seeds")
-    ax.axhline(SOLVED_RETURN, color="k", ls="--", lw=1, label=f"solved ({SOLVED_RETURN:.0f})")
-    ax.set(xlabel="environment steps", ylabel="greedy return", ylim=(0, 520))
-    ax.set_title(f"DQN on CartPole-v1, {len(returns)} seeds")
-    ax.legend(loc="lower right")
+    ax.plot(curve["step"], returns.T, color="tab:blue", alpha=min(0.3, 5 / len(returns)), lw=0.6)
+    band = (curve["step"], curve["ci95_low"], curve["ci95_high"])
+    ax.fill_between(*band, color="tab:orange", alpha=0.35, label="95% bootstrap CI")
+    ax.plot(curve["step"], curve["iqm"], color="tab:orange", lw=2, marker="o", ms=3, label="IQM")
+    if solved is not None:
+        ax.axhline(solved, color="k", ls="--", lw=1, label=f"solved ({solved:g})")
+    ax.set(xlabel="environment steps", ylabel="greedy return", title=title)
+    ax.legend(loc="best")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def point_labels(points: list[dict]) -> list[str]:
+    """'learning_rate 0.001, gamma 0.99' for each grid point: the values that vary."""
+    swept = [name for name in HParams._fields if len({p[name] for p in points}) > 1]
+    return [", ".join(f"{name} {p[name]:g}" for name in swept) for p in points]
+
+
+def plot_sweep(labels: list, results: list, solved, title: str, path: Path) -> None:
+    """One row per grid point, best on top: each seed's final greedy return a dot, the IQM and
+    its 95% CI a bar. Rows labelled with their values, not colours: readable at any grid size."""
+    import matplotlib.pyplot as plt
+
+    order, jitter = ranked(results), np.random.default_rng(0)
+    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.4 * len(order)))
+    for row, g in enumerate(order):
+        final, iqm, first = results[g]["final_eval_return"], results[g]["iqm"], row == 0
+        y = row + jitter.uniform(-0.2, 0.2, len(final))
+        ax.scatter(final, y, s=8, c="tab:blue", alpha=0.4, label="a seed" if first else None)
+        error = [[iqm["value"] - iqm["ci95"][0]], [iqm["ci95"][1] - iqm["value"]]]
+        label = "IQM, 95% bootstrap CI" if first else None
+        ax.errorbar(iqm["value"], row, xerr=error, fmt="o", c="tab:orange", label=label)
+    ax.set_yticks(range(len(order)), [labels[g] for g in order])
+    ax.invert_yaxis()  # the best on top
+    if solved is not None:
+        ax.axvline(solved, color="k", ls="--", lw=1, label=f"solved ({solved:g})")
+    ax.set(xlabel="final greedy return", title=title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))  # outside the rows
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
 def render_median(config: Config, env, network, params, returns: np.ndarray, path: Path):
-    """GIF of a fresh greedy episode of the median seed, every other 50 Hz step at 25 fps."""
+    """GIF of a fresh greedy episode of the median agent, every other 50 Hz step at 25 fps."""
     import matplotlib.pyplot as plt
     from matplotlib.animation import FuncAnimation, PillowWriter
 
@@ -645,125 +800,202 @@ def render_median(config: Config, env, network, params, returns: np.ndarray, pat
         x, _, theta, _ = frames[i]
         cart.set_data([x - 0.2, x + 0.2], [0, 0])
         line.set_data([x, x + pole * np.sin(theta)], [0, pole * np.cos(theta)])
-        ax.set_title(f"seed {median}: return {float(total[0]):.0f}  step {2 * i}")
+        ax.set_title(f"agent {median}: return {float(total[0]):.0f}  step {2 * i}")
         return cart, line
 
     FuncAnimation(fig, draw, frames=len(frames)).save(path, writer=PillowWriter(fps=25))
     plt.close(fig)
 
 
+def shown(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """One --flag per Config field, its help from the field, its default shown as typed.
-    exit_on_error=False: main prints a bad input as one line (argparse prints two)."""
+    """One --flag per Config field, its help from the field, its default shown as typed; a
+    flag left out parses as None (main fills in the Config's default, or the --load run's env
+    and network). exit_on_error=False: main prints a bad input as one line (argparse, two)."""
+    sweep_flags = ", ".join(flag(name) for name in HParams._fields)
+    epilog = (
+        f"Sweeps: {sweep_flags} each take a comma-separated list. Every combination (the first "
+        "of these flags changing slowest) trains --num-seeds seeds, all in one compiled call. "
+        "Every grid point uses the same seeds' keys, on purpose: common random numbers, so that "
+        "a difference between grid points is not the luck of the draw."
+    )
     parser = argparse.ArgumentParser(
-        prog="dqn_cartpole.py", description=__doc__.splitlines()[0], exit_on_error=False
+        prog="dqn_cartpole.py",
+        description=__doc__.splitlines()[0],
+        epilog=epilog,
+        exit_on_error=False,
     )
 
     def comma_ints(text: str) -> tuple[int, ...]:  # argparse says "invalid comma_ints value"
         return tuple(int(width) for width in text.split(","))
 
+    def comma_floats(text: str) -> tuple[float, ...]:
+        return tuple(float(value) for value in text.split(","))
+
+    def integer(text: str) -> int:
+        if "," in text:  # a list here would change a shape or a loop: one compile per value
+            raise argparse.ArgumentTypeError(f"takes one value; lists: {sweep_flags}")
+        return int(text)
+
     for f in dataclasses.fields(Config):
-        shown = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
-        kwargs = {"default": f.default, "help": f"{f.metadata['help']} (default: {shown})"}
+        kwargs = {"help": f"{f.metadata['help']} (default: {shown(f.default)})"}
         if f.type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif f.name in HParams._fields:
+            kwargs["type"] = comma_floats
         else:
-            kwargs["type"] = comma_ints if isinstance(f.default, tuple) else f.type
-        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
-    load_help = "evaluate the params saved in DIR (its network; the rest from this command)"
+            kwargs["type"] = {int: integer, str: str}.get(f.type, comma_ints)
+        parser.add_argument(flag(f.name), **kwargs)
+    thresholds = ", ".join(f"{value:g} on {env_id}" for env_id, value in SOLVED_RETURNS.items())
+    solved_help = f"final greedy return that counts as solved (default: Gymnasium's, {thresholds})"
+    parser.add_argument("--solved-return", type=float, metavar="R", help=solved_help)
+    load_help = "evaluate the params saved in DIR (its env and network; the rest from this command)"
     parser.add_argument("--load", metavar="DIR", help=load_help)
-    parser.add_argument("--render", action="store_true", help="GIF of the median seed")
+    parser.add_argument("--render", action="store_true", help="GIF of the median agent (CartPole)")
     return parser
 
 
-def load_run(folder: str) -> tuple[Config, Any]:
-    """Saved config and params of a run folder; any problem is a one-line ValueError."""
+def load_run(folder: str) -> tuple[Config, Any, list | None]:
+    """Saved config, params and grid points (None: one configuration) of a run folder; any
+    problem is a one-line ValueError."""
     try:
-        saved = json.loads((Path(folder) / "summary.json").read_text())["config"]
+        summary = json.loads((Path(folder) / "summary.json").read_text())
+        saved = summary["config"]
         config = Config(**{**saved, "hidden_sizes": tuple(saved["hidden_sizes"])})
         params = flax.serialization.msgpack_restore((Path(folder) / "params.msgpack").read_bytes())
     except Exception as error:
         raise ValueError(f"--load {folder}: cannot read a saved run ({error})") from None
-    return config, params
+    return config, params, [p["hparams"] for p in summary["grid"]] if "grid" in summary else None
+
+
+def with_run(saved: Config, given: dict, folder: str) -> dict:
+    """The Config values of this command with the saved run's env and network. One given that
+    disagrees is a ValueError; ours and gymnax's CartPole agree (the same task, checked)."""
+    run = {name: getattr(saved, name) for name in ("env", "hidden_sizes", "layer_norm")}
+    for name, theirs in run.items():
+        mine = given.get(name, theirs)
+        same = gymnax_id(mine) == gymnax_id(theirs) if name == "env" else mine == theirs
+        if not same:
+            raise ValueError(
+                f"{flag(name)} {shown(mine)} disagrees with the run in {folder} "
+                f"({shown(theirs)}): leave it out to use the run's"
+            )
+    return {**run, **given}
 
 
 def plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
-def run_training(config: Config, env, network, plan: SeedPlan, output: Path):
-    """Train every seed, save params and learning curves; (params, final returns, extra)."""
+def run_training(config: Config, grid: HParams, env, network, plan: SeedPlan, env_id: str):
+    """Train every agent (grid point x seed); (their output, padding dropped; timings)."""
+    num_points = len(grid.gamma)
+    num_agents = num_points * config.num_seeds
     devices = plural(plan.num_devices, jax.devices()[0].platform + " device")
     memory = f"~{plan.bytes_per_seed * plan.padded_seeds / 2**20:.0f} MiB"
+    points = f"{plural(num_points, 'grid point')} x " if num_points > 1 else ""
     print(
-        f"{plural(config.num_seeds, 'seed')} x {config.total_timesteps} steps on {devices}, "
-        f"{plan.seeds_per_batch} at once per device (padded to {plan.padded_seeds}, {memory})"
+        f"{env_id}: {points}{plural(config.num_seeds, 'seed')} x {config.total_timesteps} steps on "
+        f"{devices}, {plan.seeds_per_batch} at once per device (padded to {plan.padded_seeds}, "
+        f"{memory})"
     )
-    progress = Progress(config, plan)
+    progress = Progress(num_agents, config.total_timesteps, plan)
     train = make_train(config, env, network, progress)
-    out, compile_s, train_s = train_seeds(train, config.seed, plan)
+    out, compile_s, train_s = train_agents(train, config.seed, config.num_seeds, grid, plan)
     progress.close()
-    out = jax.tree.map(lambda x: x[: config.num_seeds], out)  # drop the padding seeds
-    (output / "params.msgpack").write_bytes(flax.serialization.to_bytes(out["params"]))
-    steps, returns = out["metrics"]["step"][0], out["metrics"]["eval_return"]  # [seeds, evals]
-    plot_learning_curves(steps, returns, config.seed, output / "learning_curves.png")
-    speed = config.num_seeds * config.total_timesteps / train_s
+    speed = num_agents * config.total_timesteps / train_s
     print(f"compile {compile_s:.1f} s, train {train_s:.1f} s, {speed:,.0f} agent-steps/s")
-    curve = zip(("iqm", "ci95_low", "ci95_high"), bootstrap_iqm(returns, config.seed), strict=True)
-    extra = {
+    timings = {
         "seeds_padded_to": plan.padded_seeds,
         "seeds_per_batch_per_device": plan.seeds_per_batch,
         "compile_time_s": compile_s,
         "train_time_s": train_s,
         "agent_steps_per_s": speed,
-        # The best evaluation along the way, beside the final one (never instead of it).
-        "best_eval_return": returns.max(axis=1).tolist(),
-        "curve": {"step": steps.tolist(), **{name: v.tolist() for name, v in curve}},
     }
-    return out["params"], returns[:, -1], extra
+    return jax.tree.map(lambda x: x[:num_agents], out), timings
+
+
+def parse_command(argv: list[str] | None):
+    """(args, Config, grid points, saved params or None) from the command line. A flag left out
+    takes the Config's default, or with --load the saved run's env and network; a sweep's Config
+    holds its first grid point. ValueError('--flag problem') for a bad input."""
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        raise ValueError(f"unrecognized arguments: {' '.join(unknown)}")
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)}
+    given = {name: value for name, value in given.items() if value is not None}
+    lists = {name: given.pop(name, (value,)) for name, value in hparams_of(Config()).items()}
+    points, params = grid_points(lists), None
+    if args.load:  # the env and network must match the saved params; the rest is this command's
+        saved, params, saved_points = load_run(args.load)
+        given = with_run(saved, given, args.load)
+        points = saved_points or points[:1]
+    return args, Config(**given, **points[0]), points, params
 
 
 def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     try:
-        args, unknown = build_parser().parse_known_args(argv)
-        if unknown:
-            raise ValueError(f"unrecognized arguments: {' '.join(unknown)}")
-        config = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
-        if args.load:  # the network must match the saved params; the rest is this command's
-            saved, params = load_run(args.load)
-            shape = {"hidden_sizes": saved.hidden_sizes, "layer_norm": saved.layer_norm}
-            config = dataclasses.replace(config, **shape)
-        output = Path(config.output_dir)
+        args, config, points, params = parse_command(argv)
+        env_id, env = gymnax_id(config.env), make_env(config.env)
+        if args.render and env_id != "CartPole-v1":
+            raise ValueError(f"--render draws CartPole only, not {env_id}")
+        name = "cartpole" if config.env == "cartpole" else env_id.lower()
+        output = Path(config.output_dir.replace("{env}", name))
         if output.exists() and not output.is_dir():
             raise ValueError(f"--output-dir {output} exists and is not a folder")
-        env = make_env(config.env)
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
-        plan = None if args.load else plan_seeds(config, bytes_per_seed(config, env, network))
+        need = bytes_per_seed(config, env, network)
+        plan = None if args.load else plan_seeds(len(points) * config.num_seeds, need)
     except (argparse.ArgumentError, ValueError, MemoryError) as error:
         print(f"dqn_cartpole.py: error: {error}", file=sys.stderr)
         sys.exit(2)
 
     output.mkdir(parents=True, exist_ok=True)
-    if args.load:  # fresh greedy episodes of the saved params; seed i plays split(key)[i]
+    solved = SOLVED_RETURNS.get(env_id) if args.solved_return is None else args.solved_return
+    obs_size = jax.eval_shape(env.reset, jax.random.key(0))[0].size
+    environment = {"id": env_id, "obs_size": obs_size, "num_actions": env.num_actions}
+    environment["solved_return"] = solved
+    if args.load:  # fresh greedy episodes of the saved params; agent i plays split(key)[i]
         play = partial(greedy_episodes, env=env, network=network, num_episodes=config.eval_episodes)
         keys = jax.random.split(jax.random.key(config.seed), jax.tree.leaves(params)[0].shape[0])
         returns = np.asarray(jax.jit(jax.vmap(lambda k, p: play(k, p).mean()))(keys, params))
+        results = [scores(r, solved, config.seed) for r in returns.reshape(len(points), -1)]
         extra = {}
     else:
-        params, returns, extra = run_training(config, env, network, plan, output)
-    summary = summarize(config, returns, **extra)
+        out, extra = run_training(config, hparam_grid(points), env, network, plan, env_id)
+        params = out["params"]
+        (output / "params.msgpack").write_bytes(flax.serialization.to_bytes(params))
+        steps = out["metrics"]["step"][0]  # [evals]
+        curves = out["metrics"]["eval_return"].reshape(len(points), config.num_seeds, -1)
+        results = [training_scores(c, steps, solved, config.seed) for c in curves]
+        returns = curves[:, :, -1].reshape(-1)
+        title = f"DQN on {env_id}, {plural(config.num_seeds, 'seed')}"
+        if len(points) == 1:
+            plot_learning_curves(
+                curves[0], results[0], solved, title, output / "learning_curves.png"
+            )
+        else:
+            title += " per grid point"
+            plot_sweep(point_labels(points), results, solved, title, output / "sweep.png")
+    summary = summarize(config, environment, points, results, **extra)
     if args.render:
         render_median(config, env, network, params, returns, output / "render.gif")
     summary["wall_time_s"] = time.perf_counter() - start
     name = "load_summary.json" if args.load else "summary.json"
     (output / name).write_text(json.dumps(summary, indent=2))
-    value, (low, high) = summary["iqm"]["value"], summary["iqm"]["ci95"]
-    print(
-        f"final greedy return of {plural(len(returns), 'seed')}: solved (>= {SOLVED_RETURN:.0f}) "
-        f"{summary['solved_fraction']:.1%}, IQM {value:.1f} [{low:.1f}, {high:.1f}], median "
-        f"{summary['median']:.1f}; wall {summary['wall_time_s']:.1f} s -> {output / name}"
-    )
+    wall = f"wall {summary['wall_time_s']:.1f} s -> {output / name}"
+    if len(points) == 1:
+        scored = score_line(results[0], solved)
+        print(f"final greedy return of {plural(len(returns), 'seed')}: {scored}; {wall}")
+        return
+    print("grid points, best first (by solved share, then IQM):")
+    for rank, g in enumerate(ranked(results), start=1):
+        print(f"{rank:>3}. {point_labels(points)[g]}: {score_line(results[g], solved)}")
+    print(wall)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ shared through module-scoped fixtures to keep the file fast."""
 
 import dataclasses
 import json
+import shlex
 import subprocess
 import sys
+from functools import partial
 
 import gymnasium
 import gymnax
@@ -28,6 +30,12 @@ TINY = dataclasses.replace(
     target_update_interval=100,
     eval_episodes=2,
     num_seeds=3,
+)
+# TINY on the command line.
+TINY_ARGS = shlex.split(
+    "--total-timesteps 1000 --eval-every 500 --num-seeds 3 --hidden-sizes 16,16 --buffer-size 256 "
+    "--batch-size 16 --train-frequency 2 --target-update-interval 100 --learning-starts 200 "
+    "--eval-episodes 2"
 )
 
 
@@ -187,14 +195,22 @@ def test_vmap_equals_single_key(tiny_train, tiny_keys, vmapped_out):
         )
 
 
-def test_seeds_in_batches_give_what_one_vmap_gives(tiny_train, vmapped_out):
-    """The CPU layout (each device runs its seeds one vmapped batch at a time, lax.map) is
-    only a layout: the same seeds get the same results as jit(vmap(train))."""
-    plan = dqn.SeedPlan(num_devices=2, padded_seeds=4, seeds_per_batch=1, bytes_per_seed=0)
-    out, _, _ = dqn.train_seeds(tiny_train, 0, plan)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a[:3], b, rtol=1e-4, atol=1e-4), out, vmapped_out
-    )
+def test_seeds_in_batches_give_what_one_vmap_gives(tiny_train, tiny_keys, vmapped_out):
+    """The CPU layout (each device runs its agents one vmapped batch at a time, lax.map) is
+    only a layout, and hyperparameters as data are only data: in a grid of two learning rates
+    x 3 seeds (padded to 8 agents), each grid point gets what train gives with that Config (its
+    values as constants) on the same seeds' keys."""
+    plan = dqn.SeedPlan(num_devices=2, padded_seeds=8, seeds_per_batch=1, bytes_per_seed=0)
+    other = dataclasses.replace(TINY, learning_rate=1e-3)
+    grid = dqn.hparam_grid([dqn.hparams_of(TINY), dqn.hparams_of(other)])
+    out, _, _ = dqn.train_agents(tiny_train, 0, 3, grid, plan)
+    same = partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-4)
+    jax.tree.map(lambda a, b: same(a[:3], b), out, vmapped_out)  # grid point 0: TINY
+    single = jax.jit(dqn.make_train(other))
+    for seed in (0, 2):  # grid point 1, agents 3 to 5
+        jax.tree.map(lambda a, b, i=3 + seed: same(a[i], b), out, single(tiny_keys[seed]))
+    kernels = out["params"]["params"]["Dense_0"]["kernel"]
+    assert not np.allclose(kernels[:3], kernels[3:6])
 
 
 def test_one_greedy_episode_function_scores_and_draws():
@@ -246,10 +262,10 @@ def test_memory_batches_seeds_when_they_do_not_fit(monkeypatch):
     need = bytes_per_seed(config)
     monkeypatch.setattr(dqn, "bytes_available", lambda device: int(4.5 * need))
     # 2 fit (half the memory); 4 per device.
-    assert dqn.plan_seeds(config, need).seeds_per_batch == 2
+    assert dqn.plan_seeds(config.num_seeds, need).seeds_per_batch == 2
     monkeypatch.setattr(dqn, "bytes_available", lambda device: need)
     with pytest.raises(MemoryError, match="--buffer-size"):
-        dqn.plan_seeds(config, need)
+        dqn.plan_seeds(config.num_seeds, need)
 
 
 def test_memory_estimate_takes_sizes_from_the_network():
@@ -263,7 +279,7 @@ def test_memory_estimate_takes_sizes_from_the_network():
 
 def test_cpu_runs_seeds_in_cache_sized_batches():
     config = dataclasses.replace(TINY, num_seeds=4 * dqn.CPU_SEEDS_PER_BATCH)  # 2 per device
-    plan = dqn.plan_seeds(config, bytes_per_seed(config))
+    plan = dqn.plan_seeds(config.num_seeds, bytes_per_seed(config))
     assert plan.num_devices == 2
     assert plan.seeds_per_batch == dqn.CPU_SEEDS_PER_BATCH  # not all 2 * 16 at once
 
@@ -290,6 +306,40 @@ def test_gymnax_env_trains_with_the_same_agent():
     assert out["params"]["params"]["Dense_0"]["kernel"].shape == (4, 16)
 
 
+# ---------------------------------------------------------------- any gymnax environment
+
+# A few hundred steps, one seed: enough to run every code path of an environment.
+TINY_GYMNAX = dataclasses.replace(
+    TINY, total_timesteps=400, eval_every=200, learning_starts=100, eval_episodes=1, num_seeds=1
+)
+
+
+def test_sizes_come_from_the_environment():
+    """Acrobot: 6 observations, 3 actions; MinAtar's 10x10x4 image arrives flattened."""
+    key = jax.random.key(0)
+    for name, obs_size, num_actions in [
+        ("gymnax:Acrobot-v1", 6, 3),
+        ("gymnax:Breakout-MinAtar", 400, 3),
+    ]:
+        env = dqn.make_env(name)
+        obs = jax.eval_shape(env.reset, key)[0]
+        network = dqn.QNetwork((8,), env.num_actions)
+        params = jax.eval_shape(network.init, key, obs)["params"]
+        assert obs.shape == (obs_size,) and env.num_actions == num_actions
+        assert params["Dense_0"]["kernel"].shape == (obs_size, 8)
+        assert params["Dense_1"]["kernel"].shape == (8, num_actions)
+
+
+@pytest.mark.parametrize("name", ["gymnax:MountainCar-v0", "gymnax:Breakout-MinAtar"])
+def test_tiny_run_on_a_gymnax_environment(name):
+    """(CartPole-v1 above, Acrobot-v1 through the command line below.)"""
+    env = dqn.make_env(name)
+    config = dataclasses.replace(TINY_GYMNAX, env=name)
+    returns = jax.jit(dqn.make_train(config, env))(jax.random.key(0))["metrics"]["eval_return"]
+    # Rewards of at most 1 in size, per step of at most max_steps_in_episode.
+    assert np.all(np.abs(returns) <= env.default_params.max_steps_in_episode), returns
+
+
 # ---------------------------------------------------------------- command line
 
 
@@ -304,31 +354,7 @@ def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_
         lambda self, steps: (reports.append(int(steps)), record(self, steps)),
     )
     out_dir = tmp_path / "run"
-    args = [
-        "--total-timesteps",
-        "1000",
-        "--eval-every",
-        "500",
-        "--num-seeds",
-        "3",
-        "--hidden-sizes",
-        "16,16",
-        "--buffer-size",
-        "256",
-        "--batch-size",
-        "16",
-        "--train-frequency",
-        "2",
-        "--target-update-interval",
-        "100",
-        "--learning-starts",
-        "200",
-        "--eval-episodes",
-        "2",
-        "--output-dir",
-        str(out_dir),
-    ]
-    dqn.main(args)
+    dqn.main([*TINY_ARGS, "--output-dir", str(out_dir)])
     summary = json.loads((out_dir / "summary.json").read_text())
     for key in (
         "config",
@@ -369,6 +395,85 @@ def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_
     assert (out_dir / "render.gif").read_bytes()[:3] == b"GIF"
 
 
+ACROBOT_SWEEP_ARGS = shlex.split(
+    "--env gymnax:Acrobot-v1 --gamma 0.99,0.995 --num-seeds 1 --total-timesteps 400 "
+    "--eval-every 200 --hidden-sizes 8 --buffer-size 128 --batch-size 8 --train-frequency 2 "
+    "--learning-starts 100 --eval-episodes 1"
+)
+
+
+def test_cli_sweep_on_acrobot_then_load_takes_env_and_network_from_the_run(
+    tmp_path, monkeypatch, capsys
+):
+    """A 2-point sweep on gymnax's Acrobot-v1 from the command line: sizes, solved return and
+    the default folder follow the environment, the summary scores each grid point, the terminal
+    ranks them; --load of that run plays Acrobot with the run's network without being told."""
+    monkeypatch.chdir(tmp_path)
+    dqn.main(ACROBOT_SWEEP_ARGS)
+    run = tmp_path / "runs" / "dqn_acrobot-v1"  # the default folder follows the environment
+    summary = json.loads((run / "summary.json").read_text())
+    # Acrobot: 6 observations, 3 actions, solved at -100 (Gymnasium's reward_threshold).
+    assert summary["environment"] == {
+        "id": "Acrobot-v1",
+        "obs_size": 6,
+        "num_actions": 3,
+        "solved_return": -100,
+    }
+    assert [point["hparams"]["gamma"] for point in summary["grid"]] == [0.99, 0.995]
+    for point in summary["grid"]:
+        low, high = point["solved_ci95"]  # Wilson: inside [0, 1] even for one seed
+        assert 0 <= low <= point["solved_fraction"] <= high <= 1 and high - low > 0.5
+        assert point["iqm"]["ci95"][0] <= point["iqm"]["value"] <= point["iqm"]["ci95"][1]
+    assert (run / "sweep.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "Acrobot-v1" in out and "best first" in out and "gamma 0.995" in out, out
+
+    # Neither --env nor --hidden-sizes given: both come from the run (the default is cartpole).
+    dqn.main(["--load", str(run), "--eval-episodes", "1"])
+    loaded = json.loads((run / "load_summary.json").read_text())
+    assert loaded["config"]["env"] == "gymnax:Acrobot-v1"
+    assert loaded["config"]["hidden_sizes"] == [8]
+    assert [point["hparams"]["gamma"] for point in loaded["grid"]] == [0.99, 0.995]
+    assert all(point["final_eval_return"][0] <= 0 for point in loaded["grid"])  # -1 per step
+
+    for argv, flag in [
+        (["--load", str(run), "--env", "cartpole"], "--env"),
+        (["--load", str(run), "--hidden-sizes", "16"], "--hidden-sizes"),
+        (["--load", str(run), "--render"], "--render"),
+    ]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            dqn.main([*argv, "--output-dir", str(tmp_path / "not_written")])
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and flag in err, err
+    assert not (tmp_path / "not_written").exists()
+
+
+def test_scores_with_and_without_a_solved_return():
+    final = np.array([500.0, 480.0, 100.0, 20.0])
+    scored = dqn.scores(final, 475.0, seed=0)
+    assert scored["solved_fraction"] == 0.5
+    np.testing.assert_allclose(scored["solved_ci95"], [0.150, 0.850], atol=1e-3)  # Wilson, 2 of 4
+    assert dqn.wilson_interval(0, 10)[0] == 0 and dqn.wilson_interval(10, 10)[1] == 1
+    unsolvable = dqn.scores(final, None, seed=0)  # an environment with no reward_threshold
+    assert unsolvable["solved_fraction"] is None and unsolvable["solved_ci95"] is None
+    assert unsolvable["iqm"] == scored["iqm"] and "solved" not in dqn.score_line(unsolvable, None)
+
+
+# Final greedy returns [seeds, evals] of jit(vmap(train)) on TINY with keys fold_in(key(0), i),
+# measured with the script as it was before HParams (jax 0.10.2, CPU).
+PRE_HPARAMS_TINY_RETURNS = [[15.0, 9.5], [24.0, 24.5], [60.0, 19.0]]
+
+
+def test_train_defaults_equal_hparams_none_and_the_numbers_from_before(
+    tiny_train, tiny_keys, vmapped_out
+):
+    key = tiny_keys[0]
+    jaxpr = jax.make_jaxpr(tiny_train)(key)
+    assert str(jaxpr) == str(jax.make_jaxpr(lambda k: tiny_train(k, None))(key))
+    np.testing.assert_array_equal(vmapped_out["metrics"]["eval_return"], PRE_HPARAMS_TINY_RETURNS)
+
+
 BAD_INPUTS = [
     (["--num-seeds", "0"], "--num-seeds"),
     (["--total-timesteps", "-5"], "--total-timesteps"),
@@ -381,6 +486,12 @@ BAD_INPUTS = [
     (["--hidden-sizes", "64,x"], "--hidden-sizes"),
     (["--num-seeds", "two"], "--num-seeds"),
     (["--no-such-flag"], "--no-such-flag"),
+    (["--buffer-size", "256,512"], "--buffer-size"),  # a list on a flag that sets a shape
+    (["--num-seeds", "2,4"], "--num-seeds"),
+    (["--gamma", "0.99,1.5"], "--gamma"),  # one bad value in a sweep list
+    (["--env", "gymnax:Pendulum-v1"], "--env"),  # continuous actions
+    (["--env", "gymnax:NoSuchEnv-v0"], "--env"),
+    (["--env", "gymnax:Acrobot-v1", "--render"], "--render"),
 ]
 
 
@@ -433,16 +544,21 @@ def test_cli_flags_come_from_the_config_fields():
     assert names <= set(vars(args))
 
 
-TINY_BENCHMARK = ["--timesteps", "500", "--num-agents", "4", "--repeats", "1"]
+BENCHMARKS = [  # (script, a tiny size, what it prints last)
+    ("dqn_cartpole.py", "--timesteps 500 --num-agents 4 --repeats 1", "speed-up vs yardstick:"),
+    ("dqn_sweep.py", "--seeds 1 --timesteps 200 --repeats 1", "sweep / single:"),
+]
 
 
-def test_benchmark_runs_from_a_clone_at_a_tiny_size():
-    """benchmarks/dqn_cartpole.py finds its yardstick next to it and prints the ratios."""
+@pytest.mark.parametrize(("script", "tiny", "printed"), BENCHMARKS, ids=["article", "sweep"])
+def test_benchmark_runs_from_a_clone_at_a_tiny_size(script, tiny, printed):
+    """Each benchmark finds what it measures next to it (dqn_cartpole.py's also its yardstick)
+    and prints the ratios."""
     result = subprocess.run(
-        [sys.executable, "benchmarks/dqn_cartpole.py", *TINY_BENCHMARK],
+        [sys.executable, f"benchmarks/{script}", *tiny.split()],
         capture_output=True,
         text=True,
         cwd=dqn.__file__.rsplit("/", 1)[0],
     )
     assert result.returncode == 0, result.stderr
-    assert "speed-up vs yardstick:" in result.stdout, result.stdout
+    assert printed in result.stdout, result.stdout
