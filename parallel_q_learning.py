@@ -56,7 +56,7 @@ class Config:
     total_timesteps: int = option(100_000, "environment steps per agent")
     num_seeds: int = option(64, "independent agents per hyperparameter setting")
     seed: int = option(0, "seed i trains with fold_in(key(seed), i), at every grid point")
-    learning_rates: tuple[float, ...] = option((0.05, 0.1, 0.5), "comma-separated, each > 0")
+    learning_rates: tuple[float, ...] = option((0.05, 0.1, 0.5), "comma-separated, each in (0, 1]")
     epsilons: tuple[float, ...] = option((0.05, 0.1, 0.3), "comma-separated, each in [0, 1]")
     gammas: tuple[float, ...] = option((0.9,), "comma-separated, each in [0, 1)")
     max_episode_steps: int = option(0, "time limit (truncation, still bootstraps); 0 = none")
@@ -74,8 +74,10 @@ class Config:
         for name in ("max_episode_steps", "agents_per_chunk"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
+        if not -(2**63) <= self.seed < 2**63:  # what jax.random.key takes
+            raise ConfigError("seed", f"must be a 64-bit integer, got {self.seed}")
         for name, valid, rule in (
-            ("learning_rates", lambda x: x > 0, "> 0"),
+            ("learning_rates", lambda x: 0 < x <= 1, "in (0, 1]"),  # above 1 diverges to NaN
             ("epsilons", lambda x: 0 <= x <= 1, "in [0, 1]"),
             ("gammas", lambda x: 0 <= x < 1, "in [0, 1)"),
         ):

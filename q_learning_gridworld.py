@@ -71,6 +71,7 @@ class Config:
             ("gamma", 0.0 <= self.gamma < 1.0, "in [0, 1)"),
             ("initial_q", np.isfinite(self.initial_q), "a finite number"),
             ("learning_rate", 0.0 < self.learning_rate <= 1.0, "in (0, 1]"),  # False for NaN
+            ("seed", -(2**63) <= self.seed < 2**63, "a 64-bit integer"),  # jax.random.key
         ):
             if not valid:
                 flag = "--" + name.replace("_", "-")
@@ -487,7 +488,8 @@ def summarize(config: Config, env: GridWorld, q_values: np.ndarray, timings: dic
             "shortest_path_length": env.map.shortest_path_length,
             "v_start": v_start,
             "v_star_start": v_star,
-            "v_start_relative_error": abs(v_start - v_star) / v_star,
+            # None where V*(S) is 0: gamma 0, or gamma^(shortest - 1) below the VI tolerance.
+            "v_start_relative_error": abs(v_start - v_star) / v_star if v_star else None,
         }
         seeds.append(seed)
     packages = ("jax", "jaxlib", "numpy", "matplotlib")  # what this script runs on

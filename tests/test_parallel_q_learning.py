@@ -289,6 +289,8 @@ def test_memory_refusal_names_the_flag():
         (["--learning-rates", "0.1,,x"], "--learning-rates"),
         (["--learning-rates", ""], "--learning-rates"),
         (["--learning-rates", "0.1,0"], "--learning-rates"),
+        (["--learning-rates", "0.1,5"], "--learning-rates"),  # above 1: NaN tables
+        (["--seed", str(2**63)], "--seed"),
         (["--epsilons", "1.5"], "--epsilons"),
         (["--gammas", "1.0"], "--gammas"),
         (["--layout", "no_such_layout"], "--layout"),

@@ -484,6 +484,7 @@ BAD_FLAGS = [
     (["--learning-rate", "-0.1"], "--learning-rate"),
     (["--learning-rate", "nan"], "--learning-rate"),
     (["--initial-q", "inf"], "--initial-q"),
+    (["--seed", str(2**63)], "--seed"),  # beyond what jax.random.key takes
     (["--no-such-flag", "1"], "--no-such-flag"),
     (["--num-seeds", str(10**12)], "--num-seeds"),  # cannot fit in memory: refused up front
 ]
@@ -638,3 +639,13 @@ def test_too_many_curve_points_is_a_note_naming_the_flag(tmp_path, capsys):
     qlg.main([*argv, "--output-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "note: 3 curve points, not 7" in out and "--num-curve-points" in out
+
+
+@pytest.mark.parametrize("gamma", ["0", "0.1"])
+def test_a_start_value_of_zero_is_reported_not_divided_by(tmp_path, capsys, gamma):
+    """gamma 0, or gamma^17 below value iteration's tolerance: V*(S) = 0, no relative error."""
+    output_dir = tmp_path / "run"
+    argv = ["--gamma", gamma, "--total-timesteps", "100000", "--output-dir", str(output_dir)]
+    qlg.main([*argv, "--steps-per-block", "10000"])
+    seed = json.loads((output_dir / "summary.json").read_text())["seeds"][0]
+    assert seed["v_star_start"] == 0.0 and seed["v_start_relative_error"] is None
