@@ -754,17 +754,29 @@ def parse_float_list(text: str) -> tuple[float, ...]:
     return values
 
 
+# Larger is not a map anyone draws by hand, and parsing it in Python would take minutes.
+MAX_MAP_BYTES = 256 * 1024  # about 500 x 500 cells
+
+
 def read_layout(value: str) -> str:
-    """--layout: a built-in map's name, or a map file to read -> the map text."""
+    """--layout value -> map text: a built-in name, or a map file (a regular file, small)."""
+    path = Path(value)
+    if value in LAYOUTS and path.exists():
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is a built-in layout and a file: for the file, write ./{value}"
+        )
     if value in LAYOUTS:
         return LAYOUTS[value]
-    try:
-        return Path(value).read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        known = ", ".join(LAYOUTS)
+    # A FIFO would hang and /dev/zero never ends: only a regular file of a map's size is read.
+    if not path.is_file() or path.stat().st_size > MAX_MAP_BYTES:
         raise argparse.ArgumentTypeError(
-            f"not a built-in layout ({known}) nor a file: {error}"
-        ) from None
+            f"{value!r} is neither a built-in layout ({', '.join(LAYOUTS)}) nor a regular "
+            f"file of at most {MAX_MAP_BYTES // 1024} KiB"
+        )
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise argparse.ArgumentTypeError(f"cannot read {value!r}: {error}") from None
 
 
 def parse_config(argv: list[str] | None = None) -> Config | Path:

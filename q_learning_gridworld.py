@@ -504,16 +504,23 @@ def summarize(config: Config, env: GridWorld, q_values: np.ndarray, timings: dic
     }
 
 
-def expected_episode_length(env: GridWorld, epsilon: float, gamma: float) -> float:
+def expected_episode_length(env: GridWorld, epsilon: float, gamma: float) -> float | None:
     """Mean steps from S to G of epsilon-greedy on Q* (ties uniform): why even a perfect
-    learner's training episodes stay above the shortest path while it keeps exploring."""
+    learner's training episodes stay above the shortest path while it keeps exploring. None
+    where it is not worth drawing: a map too large to iterate over cheaply, or a Q* of zeros
+    at S (gamma 0, or gamma^(shortest - 1) below the value-iteration tolerance)."""
     q = value_iteration(env, gamma)
+    if env.num_cells > 10_000 or not q[env.map.start].max():
+        return None
     best = np.isclose(q, q.max(axis=1, keepdims=True))
     policy = epsilon / NUM_ACTIONS + (1 - epsilon) * best / best.sum(axis=1, keepdims=True)
     steps = np.zeros(env.num_cells)
     for _ in range(10_000):  # steps = 1 + E[steps of the next cell], G ends it
-        steps = 1 + (policy * steps[env.map.next_cell]).sum(axis=1)
-        steps[env.map.goal] = 0.0
+        new_steps = 1 + (policy * steps[env.map.next_cell]).sum(axis=1)
+        new_steps[env.map.goal] = 0.0
+        if np.abs(new_steps - steps).max() < 1e-6:
+            break
+        steps = new_steps
     return float(steps[env.map.start])
 
 
@@ -615,8 +622,9 @@ def plot_run(run_dir: Path) -> Path:
             band = f"min to max of {n} seeds"
             ax.fill_between(x, y.min(axis=0), y.max(axis=0), alpha=0.3, label=band)
         ax.axhline(shortest, color="black", ls="--", label=f"shortest path ({shortest})")
-        label = f"expected with epsilon = {config.epsilon:g} exploration ({expected:.1f})"
-        ax.axhline(expected, color="gray", ls=":", label=label)
+        if expected is not None:
+            label = f"expected with epsilon = {config.epsilon:g} exploration ({expected:.1f})"
+            ax.axhline(expected, color="gray", ls=":", label=label)
         # Log only where the lengths span a decade (the first episodes); plain numbers on it.
         log = y.max() > 10 * y.min()
         ax.set(yscale="log" if log else "linear", xlabel=x_label, ylabel="episode length (steps)")
@@ -640,16 +648,29 @@ def fail(message: str):
     sys.exit(2)
 
 
+# Larger is not a map anyone draws by hand, and parsing it in Python would take minutes.
+MAX_MAP_BYTES = 256 * 1024  # about 500 x 500 cells
+
+
 def read_layout(value: str) -> str:
-    """--layout value -> map text: a built-in name, or else a path to a text file."""
-    try:
-        return LAYOUTS[value] if value in LAYOUTS else Path(value).read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        reason = getattr(error, "strerror", None) or error  # e.g. "No such file or directory"
+    """--layout value -> map text: a built-in name, or a map file (a regular file, small)."""
+    path = Path(value)
+    if value in LAYOUTS and path.exists():
         raise argparse.ArgumentTypeError(
-            f"{value!r} is neither a built-in layout ({', '.join(LAYOUTS)}) "
-            f"nor a readable file ({reason})"
-        ) from None
+            f"{value!r} is a built-in layout and a file: for the file, write ./{value}"
+        )
+    if value in LAYOUTS:
+        return LAYOUTS[value]
+    # A FIFO would hang and /dev/zero never ends: only a regular file of a map's size is read.
+    if not path.is_file() or path.stat().st_size > MAX_MAP_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is neither a built-in layout ({', '.join(LAYOUTS)}) nor a regular "
+            f"file of at most {MAX_MAP_BYTES // 1024} KiB"
+        )
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise argparse.ArgumentTypeError(f"cannot read {value!r}: {error}") from None
 
 
 def parse_config(argv: list[str] | None = None) -> Config | Path:

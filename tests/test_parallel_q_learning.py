@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -434,3 +435,28 @@ def test_benchmark_runs_at_a_tiny_size(tmp_path):
     assert any("on 1 device" in name for name in bench["ratios"])
     assert any(name.endswith("/ yardstick") for name in bench["ratios"])
     assert (output / "benchmark.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "too_large", "shadows_a_built_in"])
+def test_layout_reads_only_a_small_regular_file(tmp_path, monkeypatch, capsys, kind):
+    """/dev/zero never ends, a FIFO blocks, a huge file takes minutes to parse, and a file
+    named like a built-in map must not be silently replaced by it: one line each, no work."""
+    monkeypatch.chdir(tmp_path)
+    path = {
+        "device": "/dev/zero",
+        "fifo": "fifo",
+        "too_large": "big.txt",
+        "shadows_a_built_in": "maze",
+    }[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "too_large":
+        Path(path).write_text(("." * 999 + "\n") * 300)
+    elif kind == "shadows_a_built_in":
+        Path(path).write_text("S.G\n")
+    with pytest.raises(SystemExit) as exit_info:
+        pq.main(["--layout", path, "--output-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--layout" in err[0], err
+    assert not (tmp_path / "out").exists()

@@ -5,6 +5,7 @@ script (its own map parsing and moves), so a bug shared by both cannot hide.
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -649,3 +650,28 @@ def test_a_start_value_of_zero_is_reported_not_divided_by(tmp_path, capsys, gamm
     qlg.main([*argv, "--steps-per-block", "10000"])
     seed = json.loads((output_dir / "summary.json").read_text())["seeds"][0]
     assert seed["v_star_start"] == 0.0 and seed["v_start_relative_error"] is None
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "too_large", "shadows_a_built_in"])
+def test_layout_reads_only_a_small_regular_file(tmp_path, monkeypatch, capsys, kind):
+    """/dev/zero never ends, a FIFO blocks, a huge file takes minutes to parse, and a file
+    named like a built-in map must not be silently replaced by it: one line each, no work."""
+    monkeypatch.chdir(tmp_path)
+    path = {
+        "device": "/dev/zero",
+        "fifo": "fifo",
+        "too_large": "big.txt",
+        "shadows_a_built_in": "maze",
+    }[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "too_large":
+        Path(path).write_text(("." * 999 + "\n") * 300)
+    elif kind == "shadows_a_built_in":
+        Path(path).write_text("S.G\n")
+    with pytest.raises(SystemExit) as exit_info:
+        qlg.main(["--layout", path, "--output-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--layout" in err[0], err
+    assert not (tmp_path / "out").exists()
