@@ -499,8 +499,13 @@ def validate(config: Config, schedule: Schedule) -> GridWorld:
         raise ConfigError("layout", str(error)) from None
     if schedule.blocks_per_point >= 2**31:  # loop counters are int32
         raise ConfigError("total_timesteps", "too large: 2^31 blocks or more per curve point")
+    if not config.output_dir:  # "" would write into the current folder
+        raise ConfigError("output_dir", "must name a folder, not be empty")
     output = Path(config.output_dir).absolute()
-    existing = next(p for p in (output, *output.parents) if p.exists())  # "/" always exists
+    try:  # a name the OS refuses (too long, say) raises here
+        existing = next(p for p in (output, *output.parents) if p.exists())  # "/" exists
+    except OSError as error:
+        raise ConfigError("output_dir", str(error)) from None
     if not existing.is_dir():
         raise ConfigError("output_dir", f"{str(existing)!r} exists and is not a directory")
     if not os.access(existing, os.W_OK):
@@ -523,6 +528,10 @@ def validate(config: Config, schedule: Schedule) -> GridWorld:
             f"{config.num_seeds} seeds x {grid} grid points need about {needed / 1e9:.1f} GB, "
             f"more than {limit / 1e9:.1f} GB (half the memory); use fewer seeds or a smaller grid",
         )
+    try:  # last of the checks, so a refused run writes nothing, and before any training
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError("output_dir", f"cannot create {config.output_dir!r}: {error}") from None
     return env
 
 
@@ -857,11 +866,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{optimal:8.2f} {path:7.1f} {row['start_value_abs_error']['mean']:13.4f}"
         )
 
-    output = Path(config.output_dir)
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-    except OSError as error:  # validate() checked what it could; the OS has the last word
-        fail(f"--output-dir: cannot create {config.output_dir!r}: {error}")
+    output = Path(config.output_dir)  # made by validate()
     summary = {
         "config": dataclasses.asdict(config),
         "versions": versions(),

@@ -715,6 +715,8 @@ def main(argv: list[str] | None = None) -> None:
             "is at most --total-timesteps / --steps-per-block (lower --steps-per-block for more)"
         )
     output_dir = Path(config.output_dir)
+    if not config.output_dir:  # "" would write into the current folder
+        fail("--output-dir must name a folder, not be empty")
     try:  # before training, so that a bad --output-dir costs no training
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:

@@ -675,3 +675,16 @@ def test_layout_reads_only_a_small_regular_file(tmp_path, monkeypatch, capsys, k
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--layout" in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["", "x" * 300])
+def test_output_dir_that_cannot_be_a_folder_is_one_line(tmp_path, monkeypatch, capsys, name):
+    """An empty name would write into the current folder, a 300-character one is refused by
+    the OS: both one line before any training, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        qlg.main(["--output-dir", name, "--num-seeds", "2"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--output-dir" in err[0], err
+    assert list(tmp_path.iterdir()) == []
