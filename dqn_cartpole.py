@@ -163,9 +163,8 @@ class CartPole:
         force = jnp.where(action == 1, p.force_mag, -p.force_mag)
         cos, sin = jnp.cos(state.theta), jnp.sin(state.theta)
         temp = (force + polemass_length * state.theta_dot**2 * sin) / total_mass
-        theta_acc = (p.gravity * sin - cos * temp) / (
-            p.length * (4.0 / 3.0 - p.masspole * cos**2 / total_mass)
-        )
+        denominator = p.length * (4.0 / 3.0 - p.masspole * cos**2 / total_mass)
+        theta_acc = (p.gravity * sin - cos * temp) / denominator
         x_acc = temp - polemass_length * theta_acc * cos / total_mass
         # Euler: positions move with the old velocities (Gymnasium's default integrator).
         stepped = EnvState(
@@ -314,10 +313,9 @@ class Carry(NamedTuple):
 
 
 def make_train(config: Config, env=None, network=None, progress_callback=None):
-    """Returns train(key, hparams=None) -> {"params", "metrics"}: one seed's whole experiment,
-    with the Config's hyperparameters if hparams is None. Time is nested: blocks of `eval_every`
-    steps, each ending in a greedy evaluation, made of iterations of `train_frequency` env steps
-    and one update. `progress_callback(env_steps_done)` is called ~200 times per run."""
+    """Returns train(key, hparams=None) -> {"params", "metrics"}: one seed's whole experiment
+    (the Config's hyperparameters if hparams is None). Blocks of `eval_every` steps, each ending
+    in a greedy evaluation, made of iterations of `train_frequency` env steps and one update."""
     env = CartPole() if env is None else env
     if network is None:
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
@@ -325,6 +323,7 @@ def make_train(config: Config, env=None, network=None, progress_callback=None):
     num_blocks = config.total_timesteps // block
     iters_per_block = block // config.train_frequency
     num_updates = (config.total_timesteps - config.learning_starts) // config.train_frequency
+    num_eval, nan = config.eval_episodes, jnp.float32(jnp.nan)
     # Report progress ~200 times: often enough for a smooth ETA, rare enough to be free.
     report_every = max(1, num_blocks * iters_per_block // 200)
 
@@ -414,16 +413,14 @@ def make_train(config: Config, env=None, network=None, progress_callback=None):
             jax.random.split(sample_key, iters_per_block),
         )
         carry, info = jax.lax.scan(partial(iteration, hp), carry._replace(key=key), xs)
-        returns = greedy_episodes(eval_key, carry.agent.params, env, network, config.eval_episodes)
+        returns = greedy_episodes(eval_key, carry.agent.params, env, network, num_eval)
         episodes, updates = info["done"].sum(), info["updated"].sum()
-        train_return = info["finished_return"].sum() / episodes
-        loss = info["loss"].sum() / updates
         metrics = {
             "step": (block_index + 1) * block,
             "eval_return": returns.mean(),
             # NaN where the block had no finished episode / no update, not a fake 0.
-            "train_return": jnp.where(episodes > 0, train_return, jnp.nan),
-            "loss": jnp.where(updates > 0, loss, jnp.nan),
+            "train_return": jnp.where(episodes > 0, info["finished_return"].sum() / episodes, nan),
+            "loss": jnp.where(updates > 0, info["loss"].sum() / updates, nan),
         }
         return carry, metrics
 
@@ -442,7 +439,11 @@ def make_train(config: Config, env=None, network=None, progress_callback=None):
             key=key,
         )
         carry, metrics = jax.lax.scan(partial(train_block, hp), carry, jnp.arange(num_blocks))
-        return {"params": carry.agent.params, "metrics": metrics}  # metrics: [blocks]
+        # The curves start at step 0, with the untrained network, on a key outside the chain.
+        returns = greedy_episodes(jax.random.fold_in(init_key, 1), params, env, network, num_eval)
+        start = {"step": 0, "eval_return": returns.mean(), "train_return": nan, "loss": nan}
+        metrics = jax.tree.map(jnp.append, start, metrics)
+        return {"params": carry.agent.params, "metrics": metrics}  # metrics: [1 + blocks]
 
     return train
 
@@ -450,11 +451,14 @@ def make_train(config: Config, env=None, network=None, progress_callback=None):
 # ===== Appendix: running it at scale and reporting =====
 # ruff: noqa: E402  (the reference above runs on its own imports; these serve the machinery)
 import argparse
+import contextlib
+import csv
 import importlib.metadata
 import itertools
 import json
 import platform
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -623,20 +627,37 @@ def train_agents(train, seed: int, num_seeds: int, grid: HParams, plan: SeedPlan
 
 
 class Progress:
-    """One tqdm bar for all agents, fed by `jax.debug.callback` from inside the compiled loop.
-    Each device calls it for its batch of agents, once per report (the step count is the same
-    for every agent of a batch), so a call stands for `stride` steps of one batch."""
+    """Progress of all agents, fed by `jax.debug.callback` from inside the compiled loop: a tqdm
+    bar in a terminal, else a plain line every 10% (a log file gets no carriage returns). Each
+    device calls it for its batch of agents, once per report (the step count is the same for
+    every agent of a batch), so a call stands for `stride` steps of one batch."""
 
-    def __init__(self, num_agents: int, total_timesteps: int, plan: SeedPlan):
+    def __init__(self, num_agents: int, total_timesteps: int, plan: SeedPlan, terminal=None):
         # Padding agents are not counted.
         self.agents_per_call = plan.seeds_per_batch * num_agents / plan.padded_seeds
-        self.total, self.stride, self.bar = num_agents * total_timesteps, None, None
+        self.total, self.done, self.next_line = num_agents * total_timesteps, 0.0, 0.1
+        self.terminal = sys.stderr.isatty() if terminal is None else terminal
+        self.lock, self.start, self.stride, self.bar = threading.Lock(), None, 0, None
 
     def __call__(self, steps_done) -> None:
-        if self.bar is None:  # opened at the first report: its ETA leaves compiling out
-            self.bar = tqdm(total=self.total, unit="agent-steps", unit_scale=True, file=sys.stderr)
-            self.stride = int(steps_done)  # the first report comes one stride in
-        self.bar.update(self.stride * self.agents_per_call)
+        with self.lock:  # devices call from their own threads
+            if self.start is None:  # the first report: the rate and ETA leave compiling out
+                self.start, self.stride = time.perf_counter(), int(steps_done)
+                if self.terminal:
+                    unit = {"unit": "agent-steps", "unit_scale": True}
+                    self.bar = tqdm(total=self.total, **unit, file=sys.stderr)
+            step = self.stride * self.agents_per_call
+            self.done += step
+            if self.bar is not None:
+                self.bar.update(step)
+            elif self.done >= self.next_line * self.total:
+                self.next_line = math.floor(10 * self.done / self.total + 1) / 10
+                seconds = time.perf_counter() - self.start
+                rate = max(self.done - step, 1) / max(seconds, 1e-9)  # the first call: no time
+                eta = (self.total - self.done) / rate
+                done = min(self.done / self.total, 1.0)
+                print(f"  {done:4.0%}  train {seconds:6.1f} s  {rate:,.0f} agent-steps/s  "
+                      f"ETA {eta:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
 
     def close(self) -> None:
         if self.bar is not None:
@@ -734,21 +755,143 @@ def score_line(result: dict, solved: float | None) -> str:
     return f"solved (>= {solved:g}) {share:.1%} [{share_low:.1%}, {share_high:.1%}], {text}"
 
 
-def plot_learning_curves(returns: np.ndarray, result: dict, solved, title: str, path: Path):
-    import matplotlib.pyplot as plt  # here: only a run that plots pays for the import
+RUN_FILES = ("summary.json", "curves.csv", "params.msgpack")
+CURVES = ("step", "eval_return", "train_return", "loss")  # curves.csv's columns after seed
 
-    curve = result["curve"]  # returns: [seeds, evals]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(curve["step"], returns.T, color="tab:blue", alpha=min(0.3, 5 / len(returns)), lw=0.6)
-    band = (curve["step"], curve["ci95_low"], curve["ci95_high"])
-    ax.fill_between(*band, color="tab:orange", alpha=0.35, label="95% bootstrap CI")
-    ax.plot(curve["step"], curve["iqm"], color="tab:orange", lw=2, marker="o", ms=3, label="IQM")
+
+@contextlib.contextmanager
+def atomic_open(path: Path, mode: str = "w"):
+    """Write to a temporary name beside path, then rename: no reader sees half a file."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, mode) as file:
+        yield file
+    os.replace(temporary, path)
+
+
+def json_safe(value):
+    """NaN and infinities as null, in nested dicts and lists: summaries are strict JSON."""
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(item) for item in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def write_json(path: Path, summary: dict) -> None:
+    with atomic_open(path) as file:
+        json.dump(json_safe(summary), file, indent=2, allow_nan=False)
+
+
+def save_run(output: Path, summary: dict, points: list, out: dict) -> None:
+    """RUN_FILES: the summary; curves.csv, one row per grid point x seed x evaluation (a swept
+    hyperparameter's column first, an empty cell where a value is NaN: no finished episode or
+    no update in that block); the final params of every agent. The figures come from these."""
+    write_json(output / "summary.json", summary)
+    swept = [name for name in HParams._fields if len({p[name] for p in points}) > 1]
+    metrics = {name: np.asarray(out["metrics"][name]) for name in CURVES}  # [agents, evals]
+    num_seeds = summary["config"]["num_seeds"]
+    with atomic_open(output / "curves.csv") as file:
+        writer = csv.writer(file, lineterminator="\n")
+        writer.writerow([*swept, "seed", *CURVES])
+        for agent, point in enumerate(p for p in points for _ in range(num_seeds)):
+            for values in zip(*(metrics[name][agent] for name in CURVES), strict=True):
+                cells = ["" if np.isnan(v) else str(v) for v in values]  # float32 as printed
+                writer.writerow([*(point[name] for name in swept), agent % num_seeds, *cells])
+    with atomic_open(output / "params.msgpack", "wb") as file:
+        file.write(flax.serialization.to_bytes(out["params"]))
+
+
+def read_curves(output: Path, summary: dict) -> dict[str, np.ndarray]:
+    """curves.csv as arrays [grid points, seeds, evaluations] (NaN for an empty cell)."""
+    with open(output / "curves.csv") as file:
+        rows = list(csv.DictReader(file))
+    shape = (len(summary.get("grid", [None])), summary["config"]["num_seeds"], -1)
+    number = lambda text: float(text) if text else np.nan  # noqa: E731
+    return {name: np.array([number(r[name]) for r in rows]).reshape(shape) for name in CURVES}
+
+
+def plot_run(output: Path) -> Path:
+    """learning_curves.png (one configuration) or sweep.png, from the saved files alone."""
+    summary = json.loads((output / "summary.json").read_text())
+    curves, solved = read_curves(output, summary), summary["environment"]["solved_return"]
+    env_id, config = summary["environment"]["id"], summary["config"]
+    title = f"DQN on {env_id}: {plural(config['num_seeds'], 'seed')}"
+    title += f" x {config['total_timesteps']:,} steps"
+    if "grid" not in summary:
+        path = output / "learning_curves.png"
+        plot_learning_curves(curves, summary, solved, title, path)
+        return path
+    points = [point["hparams"] for point in summary["grid"]]
+    path = output / "sweep.png"
+    plot_sweep(point_labels(points), summary["grid"], solved, title + " per grid point", path)
+    return path
+
+
+def save_figure(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    with atomic_open(path, "wb") as file:
+        fig.savefig(file, format="png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def steps_ticks(ax) -> None:
+    """x ticks as 0, 10k, 20k: readable at any run length."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:g}k" if x else "0"))
+
+
+def plot_learning_curves(curves: dict, result: dict, solved, title: str, path: Path) -> None:
+    """The solved share over training with its 95% Wilson band (when a solved return is known);
+    every seed's greedy return with the IQM and its 95% bootstrap CI (the CI only from 10
+    seeds on: below that the seeds themselves say more); the final returns' histogram, so that
+    the seeds that fail are seen."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    returns, steps = curves["eval_return"][0], curves["step"][0, 0]  # [seeds, evals], [evals]
+    n, panels = len(returns), 3 if solved is not None else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), layout="constrained")
+    if solved is not None:
+        share = result["solved_fraction"]
+        low, high = result["solved_ci95"]
+        title += f"; final: {share:.1%} solved [{low:.1%}, {high:.1%}]"
+        hits = (returns >= solved).sum(axis=0)
+        band = np.array([wilson_interval(int(h), n) for h in hits])
+        axes[0].fill_between(steps, *band.T, color="tab:green", alpha=0.3, label="95% Wilson CI")
+        label = f"share of seeds >= {solved:g}"
+        axes[0].plot(steps, hits / n, color="tab:green", marker="o", ms=3, label=label)
+        axes[0].set(xlabel="environment steps", ylabel="solved share", ylim=(-0.02, 1.02))
+        axes[0].legend(loc="upper left")
+    ax = axes[-2]
+    alpha, width = min(0.6, 8 / n), 1.0 if n < 10 else 0.5
+    ax.plot(steps, returns.T, color="tab:blue", alpha=alpha, lw=width)
+    ax.plot([], [], color="tab:blue", label=f"each seed ({n})")  # one legend entry for all
+    curve = result["curve"]
+    if n >= 10:
+        band = (steps, curve["ci95_low"], curve["ci95_high"])
+        label = f"IQM of {n} seeds, 95% bootstrap CI"
+        ax.fill_between(*band, color="tab:orange", alpha=0.35, label=label)
+        ax.plot(steps, curve["iqm"], color="tab:orange", lw=2, marker="o", ms=3)
     if solved is not None:
         ax.axhline(solved, color="k", ls="--", lw=1, label=f"solved ({solved:g})")
-    ax.set(xlabel="environment steps", ylabel="greedy return", title=title)
-    ax.legend(loc="best")
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    ax.set(xlabel="environment steps", ylabel="greedy return (mean of episodes)")
+    ax.legend(loc="upper left")
+    final = returns[:, -1]
+    low, high = min(final.min(), 0.0), max(final.max(), solved if solved is not None else 0.0)
+    axes[-1].hist(final, bins=min(40, max(10, n // 4)), range=(low, high), color="tab:blue")
+    axes[-1].yaxis.set_major_locator(MaxNLocator(integer=True))
+    if solved is not None:
+        fails = int(np.sum(final < solved))
+        label = f"solved ({solved:g}); {plural(fails, 'seed')} below"
+        axes[-1].axvline(solved, color="k", ls="--", lw=1, label=label)
+        axes[-1].legend(loc="upper left")
+    axes[-1].set(xlabel="final greedy return", ylabel="seeds")
+    for ax in axes[:-1]:
+        steps_ticks(ax)
+    fig.suptitle(title)
+    save_figure(fig, path)
 
 
 def point_labels(points: list[dict]) -> list[str]:
@@ -777,8 +920,7 @@ def plot_sweep(labels: list, results: list, solved, title: str, path: Path) -> N
         ax.axvline(solved, color="k", ls="--", lw=1, label=f"solved ({solved:g})")
     ax.set(xlabel="final greedy return", title=title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))  # outside the rows
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def render_median(config: Config, env, network, params, returns: np.ndarray, path: Path):
@@ -805,7 +947,9 @@ def render_median(config: Config, env, network, params, returns: np.ndarray, pat
         ax.set_title(f"agent {median}: return {float(total[0]):.0f}  step {2 * i}")
         return cart, line
 
-    FuncAnimation(fig, draw, frames=len(frames)).save(path, writer=PillowWriter(fps=25))
+    temporary = path.with_name(f".{path.stem}.tmp{path.suffix}")  # Pillow picks GIF by suffix
+    FuncAnimation(fig, draw, frames=len(frames)).save(temporary, writer=PillowWriter(fps=25))
+    os.replace(temporary, path)
     plt.close(fig)
 
 
@@ -857,6 +1001,7 @@ def build_parser() -> argparse.ArgumentParser:
     load_help = "evaluate the params saved in DIR (its env and network; the rest from this command)"
     parser.add_argument("--load", metavar="DIR", help=load_help)
     parser.add_argument("--render", action="store_true", help="GIF of the median agent (CartPole)")
+    parser.add_argument("--replot", metavar="DIR", help="redraw a saved run's figure; no training")
     return parser
 
 
@@ -938,15 +1083,32 @@ def parse_command(argv: list[str] | None):
     return args, Config(**given, **points[0]), points, params
 
 
+def replot(folder: str) -> None:
+    """--replot DIR: the figure again, from the saved files alone."""
+    output = Path(folder)
+    try:
+        if not all((output / name).is_file() for name in RUN_FILES):
+            raise ValueError(f"not a saved run (needs {', '.join(RUN_FILES)})")
+        path = plot_run(output)
+    except (OSError, ValueError, KeyError) as error:  # a broken file: one line, not a traceback
+        print(f"dqn_cartpole.py: error: --replot {folder}: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(f"redrew {path} from the saved files (no training)")
+
+
 def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     try:
         args, config, points, params = parse_command(argv)
+        if args.replot:
+            return replot(args.replot)
         env_id, env = gymnax_id(config.env), make_env(config.env)
         if args.render and env_id != "CartPole-v1":
             raise ValueError(f"--render draws CartPole only, not {env_id}")
         name = "cartpole" if config.env == "cartpole" else env_id.lower()
         output = Path(config.output_dir.replace("{env}", name))
+        if args.load and args.output_dir is None:  # a loaded run's results go into that run
+            output = Path(args.load)
         if output.exists() and not output.is_dir():
             raise ValueError(f"--output-dir {output} exists and is not a folder")
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
@@ -970,26 +1132,21 @@ def main(argv: list[str] | None = None) -> None:
     else:
         out, extra = run_training(config, hparam_grid(points), env, network, plan, env_id)
         params = out["params"]
-        (output / "params.msgpack").write_bytes(flax.serialization.to_bytes(params))
-        steps = out["metrics"]["step"][0]  # [evals]
         curves = out["metrics"]["eval_return"].reshape(len(points), config.num_seeds, -1)
+        steps = out["metrics"]["step"][0]  # [evals]
         results = [training_scores(c, steps, solved, config.seed) for c in curves]
         returns = curves[:, :, -1].reshape(-1)
-        title = f"DQN on {env_id}, {plural(config.num_seeds, 'seed')}"
-        if len(points) == 1:
-            plot_learning_curves(
-                curves[0], results[0], solved, title, output / "learning_curves.png"
-            )
-        else:
-            title += " per grid point"
-            plot_sweep(point_labels(points), results, solved, title, output / "sweep.png")
     summary = summarize(config, environment, points, results, **extra)
+    summary["wall_time_s"] = time.perf_counter() - start  # up to the training's end
+    if args.load:
+        write_json(output / "load_summary.json", summary)
+    else:
+        save_run(output, summary, points, out)
+        plot_run(output)
     if args.render:
         render_median(config, env, network, params, returns, output / "render.gif")
-    summary["wall_time_s"] = time.perf_counter() - start
     name = "load_summary.json" if args.load else "summary.json"
-    (output / name).write_text(json.dumps(summary, indent=2))
-    wall = f"wall {summary['wall_time_s']:.1f} s -> {output / name}"
+    wall = f"wall {time.perf_counter() - start:.1f} s -> {output / name}"
     if len(points) == 1:
         scored = score_line(results[0], solved)
         print(f"final greedy return of {plural(len(returns), 'seed')}: {scored}; {wall}")

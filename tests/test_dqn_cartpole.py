@@ -2,6 +2,7 @@
 vmap == single key, learning, command line. Tiny configs; compiled functions are
 shared through module-scoped fixtures to keep the file fast."""
 
+import csv
 import dataclasses
 import json
 import shlex
@@ -235,8 +236,9 @@ def test_help_shows_defaults_as_typed():
 
 def test_metrics_have_one_point_per_evaluation(vmapped_out):
     metrics = vmapped_out["metrics"]
-    np.testing.assert_array_equal(metrics["step"][0], [500, 1_000])
-    assert metrics["eval_return"].shape == (3, 2)
+    np.testing.assert_array_equal(metrics["step"][0], [0, 500, 1_000])  # step 0: untrained
+    assert metrics["eval_return"].shape == (3, 3)
+    assert np.isnan(metrics["loss"][:, 0]).all() and np.isnan(metrics["train_return"][:, 0]).all()
     assert np.all(metrics["eval_return"] >= 1) and np.all(metrics["eval_return"] <= 500)
 
 
@@ -396,6 +398,47 @@ def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_
     assert len(loaded["final_eval_return"]) == 3 and loaded["config"]["env"] == "gymnax"
     assert (out_dir / "render.gif").read_bytes()[:3] == b"GIF"
 
+    # curves.csv: one row per seed x evaluation (step 0 included), the summary's finals in it.
+    with open(out_dir / "curves.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert list(rows[0]) == ["seed", "step", "eval_return", "train_return", "loss"]
+    assert [(int(r["seed"]), int(r["step"])) for r in rows] == [
+        (seed, step) for seed in range(3) for step in (0, 500, 1_000)
+    ]
+    finals = [float(r["eval_return"]) for r in rows if r["step"] == "1000"]
+    np.testing.assert_array_equal(np.float32(finals), np.float32(summary["final_eval_return"]))
+    assert all(r["loss"] == r["train_return"] == "" for r in rows if r["step"] == "0")
+    # --replot draws the figure again from the saved files alone: no training, no compiling.
+    figure = out_dir / "learning_curves.png"
+    figure.unlink()
+    monkeypatch.setattr(dqn, "train_agents", lambda *a, **k: pytest.fail("--replot trained"))
+    monkeypatch.setattr(jax, "jit", lambda *a, **k: pytest.fail("--replot compiled"))
+    dqn.main(["--replot", str(out_dir)])
+    assert figure.stat().st_size > 0
+
+
+def test_replot_of_a_folder_without_a_run_is_one_line(tmp_path, capsys):
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        dqn.main(["--replot", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and "--replot" in err, err
+
+
+def test_progress_in_a_log_file_is_plain_lines(capsys):
+    """stderr not a terminal (a log file, a pipe): a plain line every 10%, no carriage return.
+    Two devices, one batch of 2 agents each, report every 100 steps."""
+    plan = dqn.SeedPlan(num_devices=2, padded_seeds=4, seeds_per_batch=2, bytes_per_seed=0)
+    progress = dqn.Progress(num_agents=4, total_timesteps=1_000, plan=plan)
+    for steps in range(100, 1_001, 100):
+        progress(steps)
+        progress(steps)
+    progress.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert "\r" not in "".join(lines) and 9 <= len(lines) <= 10, lines
+    assert all("agent-steps/s" in line and "ETA" in line for line in lines), lines
+    assert lines[0].split()[0] == "10%" and lines[-1].split()[0] in ("90%", "100%"), lines
+
 
 ACROBOT_SWEEP_ARGS = shlex.split(
     "--env gymnax:Acrobot-v1 --gamma 0.99,0.995 --num-seeds 1 --total-timesteps 400 "
@@ -427,6 +470,10 @@ def test_cli_sweep_on_acrobot_then_load_takes_env_and_network_from_the_run(
         assert 0 <= low <= point["solved_fraction"] <= high <= 1 and high - low > 0.5
         assert point["iqm"]["ci95"][0] <= point["iqm"]["value"] <= point["iqm"]["ci95"][1]
     assert (run / "sweep.png").stat().st_size > 0
+    with open(run / "curves.csv") as file:  # the swept hyperparameter is a column
+        rows = list(csv.DictReader(file))
+    assert list(rows[0])[:2] == ["gamma", "seed"]
+    assert [float(r["gamma"]) for r in rows] == [0.99] * 3 + [0.995] * 3  # 1 seed x 3 evals
     out = capsys.readouterr().out
     assert "Acrobot-v1" in out and "best first" in out and "gamma 0.995" in out, out
 
@@ -473,7 +520,9 @@ def test_train_defaults_equal_hparams_none_and_the_numbers_from_before(
     key = tiny_keys[0]
     jaxpr = jax.make_jaxpr(tiny_train)(key)
     assert str(jaxpr) == str(jax.make_jaxpr(lambda k: tiny_train(k, None))(key))
-    np.testing.assert_array_equal(vmapped_out["metrics"]["eval_return"], PRE_HPARAMS_TINY_RETURNS)
+    # The step-0 evaluation draws no key from the chain: the blocks are as before it.
+    returns = vmapped_out["metrics"]["eval_return"][:, 1:]
+    np.testing.assert_array_equal(returns, PRE_HPARAMS_TINY_RETURNS)
 
 
 BAD_INPUTS = [
