@@ -457,6 +457,7 @@ import importlib.metadata
 import itertools
 import json
 import platform
+import socket
 import sys
 import threading
 import time
@@ -464,6 +465,7 @@ from pathlib import Path
 
 import flax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
@@ -566,22 +568,23 @@ def bytes_available(device) -> int:
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") // jax.device_count()
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") // jax.local_device_count()
 
 
-def plan_seeds(num_agents: int, need: int, memory_fraction: float = 0.5) -> SeedPlan:
-    """Pad the agents to a multiple of the device count; batch them when they do not fit
-    (on a CPU, at most CPU_SEEDS_PER_BATCH). MemoryError when not even one agent fits."""
-    devices = jax.devices()
+def plan_seeds(num_agents: int, need: int, memory_fraction=0.5, platform=None) -> SeedPlan:
+    """Pad the agents to a multiple of the device count; batch them when they do not fit (on
+    a CPU, at most CPU_SEEDS_PER_BATCH: `platform` other than "cpu" lifts that, which lets a
+    test run the GPU layout on a CPU). MemoryError when not even one agent fits."""
+    devices = jax.devices()  # of every process in a cluster
     padded = -(-num_agents // len(devices)) * len(devices)
-    available = bytes_available(devices[0])
+    available = bytes_available(jax.local_devices()[0])
     fits = int(memory_fraction * available) // need
     if fits < 1:
         raise MemoryError(
             f"one seed needs ~{need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB free per "
             "device: lower --buffer-size, --eval-every or --batch-size"
         )
-    if devices[0].platform == "cpu":
+    if (platform or devices[0].platform) == "cpu":
         fits = min(fits, CPU_SEEDS_PER_BATCH)
     per_device = padded // len(devices)  # the largest batch that fits and divides it evenly:
     batch = max(b for b in range(1, fits + 1) if per_device % b == 0)
@@ -623,7 +626,8 @@ def train_agents(train, seed: int, num_seeds: int, grid: HParams, plan: SeedPlan
     compile_s, start = time.perf_counter() - start, time.perf_counter()
     out = jax.block_until_ready(compiled(keys, hparams))
     train_s = time.perf_counter() - start
-    return jax.device_get(out), compile_s, train_s
+    # Every process gets every agent's result, also the shards other processes computed.
+    return multihost_utils.process_allgather(out, tiled=True), compile_s, train_s
 
 
 class Progress:
@@ -633,13 +637,17 @@ class Progress:
     every agent of a batch), so a call stands for `stride` steps of one batch."""
 
     def __init__(self, num_agents: int, total_timesteps: int, plan: SeedPlan, terminal=None):
-        # Padding agents are not counted.
+        # Padding agents are not counted; in a cluster, this process's devices only.
         self.agents_per_call = plan.seeds_per_batch * num_agents / plan.padded_seeds
-        self.total, self.done, self.next_line = num_agents * total_timesteps, 0.0, 0.1
+        share = jax.local_device_count() / jax.device_count()
+        self.total, self.done, self.next_line = num_agents * total_timesteps * share, 0.0, 0.1
         self.terminal = sys.stderr.isatty() if terminal is None else terminal
+        self.quiet = jax.process_index() > 0  # process 0 speaks for the cluster
         self.lock, self.start, self.stride, self.bar = threading.Lock(), None, 0, None
 
     def __call__(self, steps_done) -> None:
+        if self.quiet:
+            return
         with self.lock:  # devices call from their own threads
             if self.start is None:  # the first report: the rate and ETA leave compiling out
                 self.start, self.stride = time.perf_counter(), int(steps_done)
@@ -848,7 +856,7 @@ def plot_learning_curves(curves: dict, result: dict, solved, title: str, path: P
     seeds on: below that the seeds themselves say more); the final returns' histogram, so that
     the seeds that fail are seen."""
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     returns, steps = curves["eval_return"][0], curves["step"][0, 0]  # [seeds, evals], [evals]
     n, panels = len(returns), 3 if solved is not None else 2
@@ -865,7 +873,7 @@ def plot_learning_curves(curves: dict, result: dict, solved, title: str, path: P
         axes[0].set(xlabel="environment steps", ylabel="solved share", ylim=(-0.02, 1.02))
         axes[0].legend(loc="upper left")
     ax = axes[-2]
-    alpha, width = min(0.6, 8 / n), 1.0 if n < 10 else 0.5
+    alpha, width = min(0.6, 20 / n), 1.0 if n < 10 else 0.5
     ax.plot(steps, returns.T, color="tab:blue", alpha=alpha, lw=width)
     ax.plot([], [], color="tab:blue", label=f"each seed ({n})")  # one legend entry for all
     curve = result["curve"]
@@ -877,11 +885,15 @@ def plot_learning_curves(curves: dict, result: dict, solved, title: str, path: P
     if solved is not None:
         ax.axhline(solved, color="k", ls="--", lw=1, label=f"solved ({solved:g})")
     ax.set(xlabel="environment steps", ylabel="greedy return (mean of episodes)")
-    ax.legend(loc="upper left")
+    ax.legend(loc="lower right")
     final = returns[:, -1]
     low, high = min(final.min(), 0.0), max(final.max(), solved if solved is not None else 0.0)
     axes[-1].hist(final, bins=min(40, max(10, n // 4)), range=(low, high), color="tab:blue")
-    axes[-1].yaxis.set_major_locator(MaxNLocator(integer=True))
+    if n >= 10:  # a log count axis: one failing seed stays visible beside hundreds that solve
+        axes[-1].set_yscale("log")
+        axes[-1].yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    else:
+        axes[-1].yaxis.set_major_locator(MaxNLocator(integer=True))
     if solved is not None:
         fails = int(np.sum(final < solved))
         label = f"solved ({solved:g}); {plural(fails, 'seed')} below"
@@ -953,6 +965,60 @@ def render_median(config: Config, env, network, params, returns: np.ndarray, pat
     plt.close(fig)
 
 
+def check_coordinator(address: str, process_id: int, timeout: float) -> None:
+    """One-line errors for a cluster that cannot form: JAX would abort with a C++ trace. Process 0
+    must be able to listen on the port; the others wait up to `timeout` s for it to listen."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--coordinator-address {address!r}: expected HOST:PORT")
+    if process_id == 0:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", int(port)))
+            except OSError as error:
+                message = f"--coordinator-address {address}: cannot listen ({error})"
+                raise ValueError(message) from None
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise ValueError(
+                    f"--coordinator-address {address}: nobody answered within {timeout:g} s "
+                    "(--cluster-timeout); is process 0 running?"
+                ) from None
+            time.sleep(0.2)
+
+
+def join_cluster(args) -> None:
+    """Make the processes of a run one JAX cluster, before anything touches a device: from the
+    flags, or with none of them by JAX's own detection when a SLURM or Open MPI job of several
+    tasks is found. Then jax.devices() lists every process's devices and the seeds are sharded
+    over all of them. Processes other than 0 print nothing to stdout and write nothing."""
+    flags = (args.coordinator_address, args.num_processes, args.process_id)
+    if all(value is None for value in flags):
+        tasks = (os.environ.get(name, "1") for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
+        if any(count != "1" for count in tasks):
+            jax.distributed.initialize()
+        return
+    if any(value is None for value in flags):
+        raise ValueError("--coordinator-address, --num-processes and --process-id go together")
+    if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+        raise ValueError(f"--process-id must be in [0, --num-processes), got {args.process_id}")
+    check_coordinator(args.coordinator_address, args.process_id, args.cluster_timeout)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes gather
+    jax.distributed.initialize(
+        args.coordinator_address,
+        args.num_processes,
+        args.process_id,
+        initialization_timeout=int(args.cluster_timeout),
+        heartbeat_timeout_seconds=int(args.cluster_timeout),  # a dead process stops the rest
+    )
+
+
 def shown(value) -> str:
     return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
@@ -1002,6 +1068,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--load", metavar="DIR", help=load_help)
     parser.add_argument("--render", action="store_true", help="GIF of the median agent (CartPole)")
     parser.add_argument("--replot", metavar="DIR", help="redraw a saved run's figure; no training")
+    cluster = parser.add_argument_group("several processes, one JAX cluster (see README)")
+    cluster.add_argument("--coordinator-address", metavar="HOST:PORT", help="process 0's address")
+    cluster.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    cluster.add_argument("--process-id", type=int, metavar="I", help="this process, 0 to N-1")
+    timeout_help = "seconds to wait for the cluster to form, or for a silent process (default: 60)"
+    cluster.add_argument("--cluster-timeout", type=float, default=60.0, help=timeout_help)
     return parser
 
 
@@ -1102,6 +1174,9 @@ def main(argv: list[str] | None = None) -> None:
         args, config, points, params = parse_command(argv)
         if args.replot:
             return replot(args.replot)
+        join_cluster(args)
+        if jax.process_index() > 0:  # process 0 reports and writes for the whole cluster
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
         env_id, env = gymnax_id(config.env), make_env(config.env)
         if args.render and env_id != "CartPole-v1":
             raise ValueError(f"--render draws CartPole only, not {env_id}")
@@ -1118,7 +1193,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"dqn_cartpole.py: error: {error}", file=sys.stderr)
         sys.exit(2)
 
-    output.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:
+        output.mkdir(parents=True, exist_ok=True)
     solved = SOLVED_RETURNS.get(env_id) if args.solved_return is None else args.solved_return
     obs_size = jax.eval_shape(env.reset, jax.random.key(0))[0].size
     environment = {"id": env_id, "obs_size": obs_size, "num_actions": env.num_actions}
@@ -1136,6 +1212,8 @@ def main(argv: list[str] | None = None) -> None:
         steps = out["metrics"]["step"][0]  # [evals]
         results = [training_scores(c, steps, solved, config.seed) for c in curves]
         returns = curves[:, :, -1].reshape(-1)
+    if jax.process_index() > 0:  # process 0 writes the results of every process
+        return
     summary = summarize(config, environment, points, results, **extra)
     summary["wall_time_s"] = time.perf_counter() - start  # up to the training's end
     if args.load:

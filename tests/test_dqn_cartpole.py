@@ -5,7 +5,9 @@ shared through module-scoped fixtures to keep the file fast."""
 import csv
 import dataclasses
 import json
+import os
 import shlex
+import socket
 import subprocess
 import sys
 from collections import Counter
@@ -271,6 +273,28 @@ def test_memory_batches_seeds_when_they_do_not_fit(monkeypatch):
         dqn.plan_seeds(config.num_seeds, need)
 
 
+def test_gpu_layout_runs_on_a_cpu(monkeypatch, tiny_train, vmapped_out):
+    """The layout a GPU gets (free memory from memory_stats, every agent of a device at once,
+    no CPU batch limit), run on the CPU: it trains what jit(vmap(train)) trains."""
+    need = bytes_per_seed(TINY)
+
+    class Gpu:  # what a GPU device's memory_stats() reports
+        def memory_stats(self):
+            return {"bytes_limit": 100 * need, "bytes_in_use": 20 * need}
+
+    assert dqn.bytes_available(Gpu()) == 80 * need
+    monkeypatch.setattr(jax, "local_devices", lambda: [Gpu()])
+    monkeypatch.setattr(dqn, "CPU_SEEDS_PER_BATCH", 1)  # a CPU plan would run 1 at a time
+    plan = dqn.plan_seeds(48, need, platform="gpu")
+    assert plan.seeds_per_batch == 24  # all a device holds: 40 fit in half the free memory
+    plan = dqn.plan_seeds(3, need, platform="gpu")
+    assert plan.seeds_per_batch == 2 and plan.padded_seeds == 4
+    monkeypatch.undo()
+    out, _, _ = dqn.train_agents(tiny_train, 0, 3, dqn.hparam_grid([dqn.hparams_of(TINY)]), plan)
+    same = partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-4)
+    jax.tree.map(lambda a, b: same(a[:3], b), out, vmapped_out)
+
+
 def test_memory_estimate_takes_sizes_from_the_network():
     """The parameter count comes from the network itself, not from CartPole's sizes."""
     small = dataclasses.replace(TINY, hidden_sizes=(16,))
@@ -417,6 +441,40 @@ def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_
     assert figure.stat().st_size > 0
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
+    """Two processes on 127.0.0.1, one CPU device each, form one JAX cluster: the seeds are
+    sharded over both, only process 0 writes, both exit 0, and every agent is bit for bit the
+    one a single process with two devices trains."""
+    dqn.main([*TINY_ARGS, "--output-dir", str(tmp_path / "single")])
+    cluster = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "dqn_cartpole.py", *TINY_ARGS, *cluster, "--process-id", str(i)]
+            + ["--output-dir", str(tmp_path / f"process{i}")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=dqn.__file__.rsplit("/", 1)[0],
+        )
+        for i in range(2)
+    ]
+    results = [process.communicate(timeout=300) for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], results
+    assert "2 cpu devices" in results[0][0] and "final greedy return" not in results[1][0]
+    assert not (tmp_path / "process1").exists()  # process 0 writes for the cluster
+    for name in ("params.msgpack", "curves.csv"):
+        single = (tmp_path / "single" / name).read_bytes()
+        assert (tmp_path / "process0" / name).read_bytes() == single, name
+
+
 def test_replot_of_a_folder_without_a_run_is_one_line(tmp_path, capsys):
     (tmp_path / "summary.json").write_text("{}")
     with pytest.raises(SystemExit) as exit_info:
@@ -525,6 +583,8 @@ def test_train_defaults_equal_hparams_none_and_the_numbers_from_before(
     np.testing.assert_array_equal(returns, PRE_HPARAMS_TINY_RETURNS)
 
 
+# Port 9 (discard) on this machine: nobody listens there.
+CLUSTER = ["--coordinator-address", "127.0.0.1:9", "--num-processes", "2"]
 BAD_INPUTS = [
     (["--num-seeds", "0"], "--num-seeds"),
     (["--total-timesteps", "-5"], "--total-timesteps"),
@@ -543,6 +603,11 @@ BAD_INPUTS = [
     (["--env", "gymnax:Pendulum-v1"], "--env"),  # continuous actions
     (["--env", "gymnax:NoSuchEnv-v0"], "--env"),
     (["--env", "gymnax:Acrobot-v1", "--render"], "--render"),
+    # A cluster that cannot form: one line before any work, not JAX's abort after its time-out.
+    (["--num-processes", "2"], "--process-id"),
+    (CLUSTER + ["--process-id", "2"], "--process-id"),
+    (["--coordinator-address", "nohost", "--num-processes", "2", "--process-id", "1"], "HOST:PORT"),
+    (CLUSTER + ["--process-id", "1", "--cluster-timeout", "0.5"], "--cluster-timeout"),
 ]
 
 
@@ -598,10 +663,13 @@ def test_cli_flags_come_from_the_config_fields():
 BENCHMARKS = [  # (script, a tiny size, what it prints last)
     ("dqn_cartpole.py", "--timesteps 500 --num-agents 4 --repeats 1", "speed-up vs yardstick:"),
     ("dqn_sweep.py", "--seeds 1 --timesteps 200 --repeats 1", "sweep / single:"),
+    ("dqn_time_split.py", "--agents 2 --steps 50 --repeats 1", "environment step"),
 ]
 
 
-@pytest.mark.parametrize(("script", "tiny", "printed"), BENCHMARKS, ids=["article", "sweep"])
+@pytest.mark.parametrize(
+    ("script", "tiny", "printed"), BENCHMARKS, ids=["article", "sweep", "time split"]
+)
 def test_benchmark_runs_from_a_clone_at_a_tiny_size(script, tiny, printed):
     """Each benchmark finds what it measures next to it (dqn_cartpole.py's also its yardstick)
     and prints the ratios."""
