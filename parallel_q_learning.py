@@ -394,6 +394,7 @@ import contextlib
 import csv
 import json
 import platform
+import socket
 import sys
 import time
 from functools import partial
@@ -401,6 +402,7 @@ from importlib import metadata
 from pathlib import Path
 
 import matplotlib
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -516,8 +518,8 @@ def validate(config: Config, schedule: Schedule) -> GridWorld:
     per_agent += schedule.num_points * len(Curve._fields)
     grid = len(grid_points(config))
     padded_seeds = math.ceil(config.num_seeds / jax.device_count()) * jax.device_count()
-    needed = 4 * per_agent * padded_seeds * grid
-    stats = [device.memory_stats() or {} for device in jax.devices()]
+    needed = 4 * per_agent * padded_seeds * grid * jax.local_device_count() / jax.device_count()
+    stats = [device.memory_stats() or {} for device in jax.local_devices()]  # this host's
     if jax.default_backend() != "cpu" and all("bytes_limit" in s for s in stats):
         limit = sum(s["bytes_limit"] for s in stats) / 2
     else:
@@ -529,7 +531,8 @@ def validate(config: Config, schedule: Schedule) -> GridWorld:
             f"more than {limit / 1e9:.1f} GB (half the memory); use fewer seeds or a smaller grid",
         )
     try:  # last of the checks, so a refused run writes nothing, and before any training
-        output.mkdir(parents=True, exist_ok=True)
+        if jax.process_index() == 0:  # process 0 writes for the cluster
+            output.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ConfigError("output_dir", f"cannot create {config.output_dir!r}: {error}") from None
     return env
@@ -542,7 +545,9 @@ def plural(count: int, noun: str) -> str:
 def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
     """Compile and run make_sweep over the mesh, printing progress -> numpy [grid, seeds, ...]."""
     num_agents = len(grid_points(config)) * config.num_seeds
-    total_calls = mesh.size * chunks * schedule.num_points  # on_point: per device, chunk, point
+    # on_point: per device, chunk and point; in a cluster, this process's devices only.
+    local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    total_calls = local_devices * chunks * schedule.num_points
     # Devices call on_point from their own threads: next() is atomic, a line is one write.
     calls, clock = itertools.count(1), {"start": 0.0}
 
@@ -569,6 +574,8 @@ def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
         "train_time_s": time.perf_counter() - start,  # the compiled training call alone
         "seeds_padded_to": int(keys.shape[0]),  # a multiple of devices x chunks
     }
+    # Every process gets every agent's result, also the shards other processes computed.
+    result = multihost_utils.process_allgather(result, tiled=True)
     return jax.tree.map(lambda x: np.asarray(x)[:, : config.num_seeds], result), timings
 
 
@@ -788,9 +795,9 @@ def read_layout(value: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot read {value!r}: {error}") from None
 
 
-def parse_config(argv: list[str] | None = None) -> Config | Path:
+def parse_config(argv: list[str] | None = None) -> tuple[Config | Path, dict]:
     """Config from the command line: one --flag per field, its help and default shown; or,
-    with --replot DIR, the saved run whose figures to redraw."""
+    with --replot DIR, the saved run whose figures to redraw. Also the cluster flags."""
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -806,23 +813,86 @@ def parse_config(argv: list[str] | None = None) -> Config | Path:
         parser.add_argument(flag, type=convert, default=default, help=field.metadata["help"])
     replot = {"type": Path, "metavar": "DIR", "default": argparse.SUPPRESS}  # no "(default: ...)"
     parser.add_argument("--replot", **replot, help="redraw the figures of a saved run; no training")
+    cluster = parser.add_argument_group("several processes, one JAX cluster (see README)")
+    cluster.add_argument("--coordinator-address", metavar="HOST:PORT", help="process 0's address")
+    cluster.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    cluster.add_argument("--process-id", type=int, metavar="I", help="this process, 0 to N-1")
+    timeout_help = "seconds to wait for the cluster to form, or for a silent process"
+    cluster.add_argument("--cluster-timeout", type=float, default=60.0, help=timeout_help)
     args = vars(parser.parse_args(argv))
+    cluster_flags = ("coordinator_address", "num_processes", "process_id", "cluster_timeout")
+    cluster = {name: args.pop(name) for name in cluster_flags}
     if (run_dir := args.pop("replot", None)) is not None:
-        return run_dir
+        return run_dir, cluster
     try:
-        return Config(**args)
+        return Config(**args), cluster
     except ValueError as error:
         fail(str(error))
 
 
+def check_coordinator(address: str, process_id: int, timeout: float) -> None:
+    """One-line errors for a cluster that cannot form: JAX would abort with a C++ trace. Process 0
+    must be able to listen on the port; the others wait up to `timeout` s for it to listen."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        fail(f"--coordinator-address {address!r}: expected HOST:PORT")
+    if process_id == 0:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", int(port)))
+            except OSError as error:
+                fail(f"--coordinator-address {address}: cannot listen ({error})")
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return socket.create_connection((host, int(port)), timeout=1).close()
+        except OSError:
+            if time.monotonic() > deadline:
+                fail(
+                    f"--coordinator-address {address}: nobody answered within {timeout:g} s "
+                    "(--cluster-timeout); is process 0 running?"
+                )
+            time.sleep(0.2)
+
+
+def join_cluster(coordinator_address, num_processes, process_id, cluster_timeout) -> None:
+    """Make the processes of a run one JAX cluster, before anything touches a device: from the
+    flags, or with none of them by JAX's own detection when a SLURM or Open MPI job of several
+    tasks is found. Then jax.devices() lists every process's devices and the seeds are sharded
+    over all of them. Processes other than 0 print nothing to stdout and write nothing."""
+    flags = (coordinator_address, num_processes, process_id)
+    if all(value is None for value in flags):
+        tasks = (os.environ.get(name, "1") for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
+        if any(count != "1" for count in tasks):
+            jax.distributed.initialize()
+    elif any(value is None for value in flags):
+        fail("--coordinator-address, --num-processes and --process-id go together")
+    else:
+        if num_processes < 1 or not 0 <= process_id < num_processes:
+            fail(f"--process-id must be in [0, --num-processes), got {process_id}")
+        check_coordinator(coordinator_address, process_id, cluster_timeout)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes gather
+        jax.distributed.initialize(
+            coordinator_address,
+            num_processes,
+            process_id,
+            initialization_timeout=int(cluster_timeout),
+            heartbeat_timeout_seconds=int(cluster_timeout),  # a dead process stops the rest
+        )
+    if jax.process_index() > 0:  # process 0 reports and writes for the whole cluster
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+
+
 def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
-    config = parse_config(argv)
+    config, cluster = parse_config(argv)
     if isinstance(config, Path):  # --replot DIR: the figures again from the saved files
         if not all((config / name).is_file() for name in RUN_FILES):
             fail(f"--replot: {str(config)!r} is not a saved run (needs {', '.join(RUN_FILES)})")
         plot_run(config)
         return print(f"redrew sweep_heatmap.png, learning_curves.png in {config}/ (no training)")
+    join_cluster(**cluster)
     schedule = make_schedule(config)
     try:
         env = validate(config, schedule)
@@ -879,6 +949,8 @@ def main(argv: list[str] | None = None) -> None:
         "wall_time_s": time.perf_counter() - start,  # the whole command, but the writes
         "grid": rows,
     }
+    if jax.process_index() > 0:  # process 0 writes the results of every process
+        return
     save_run(output, summary, config, result)
     plot_run(output)
     print(

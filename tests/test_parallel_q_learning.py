@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -282,6 +283,10 @@ def test_memory_refusal_names_the_flag():
         pq.validate(config, pq.make_schedule(config))
 
 
+# Port 9 (discard) on this machine: nobody listens there.
+CLUSTER = ["--coordinator-address", "127.0.0.1:9", "--num-processes", "2"]
+
+
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
@@ -300,6 +305,11 @@ def test_memory_refusal_names_the_flag():
         (["--no-such-flag"], "--no-such-flag"),
         (["--layout", "/no/such/map.txt"], "--layout"),
         (["--agents-per-chunk", "-1"], "--agents-per-chunk"),
+        # A cluster that cannot form: one line before any work, not JAX's abort after a wait.
+        (["--num-processes", "2"], "--process-id"),
+        ([*CLUSTER, "--process-id", "2"], "--process-id"),
+        (["--coordinator-address", "x", "--num-processes", "2", "--process-id", "1"], "HOST:PORT"),
+        ([*CLUSTER, "--process-id", "1", "--cluster-timeout", "0.5"], "--cluster-timeout"),
     ],
 )
 def test_cli_errors_are_one_line_and_write_nothing(tmp_path, capsys, argv, flag):
@@ -383,6 +393,46 @@ def test_cli_happy_path(tmp_path):
     assert done.returncode == 0 and done.stdout.count("\n") == 1, done.stderr[-2000:]
     for name in ("sweep_heatmap.png", "learning_curves.png"):
         assert (output / name).stat().st_size > 0
+
+
+def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
+    """Two processes on 127.0.0.1, one CPU device each, form one JAX cluster: the seeds are
+    sharded over both, only process 0 writes, both exit 0, and every agent is bit for bit the
+    one a single process with two devices trains."""
+    argv = ["--num-seeds", "5", "--total-timesteps", "2000", "--learning-rates", "0.1,0.5"]
+    pq.main([*argv, "--output-dir", str(tmp_path / "single")])
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cluster = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), *argv, *cluster, "--process-id", str(i)]
+            + ["--output-dir", str(tmp_path / f"process{i}")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    results = [process.communicate(timeout=300) for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], results
+    assert "2 cpu devices" in results[0][0] and results[1][0].count("agent-steps/s") == 0
+    assert not (tmp_path / "process1").exists()  # process 0 writes for the cluster
+    for name in ("q_tables.npy", "curves.csv"):
+        single = (tmp_path / "single" / name).read_bytes()
+        assert (tmp_path / "process0" / name).read_bytes() == single, name
+
+
+def test_two_process_benchmark_runs_at_a_tiny_size():
+    bench = SCRIPT.parent / "benchmarks" / "two_processes.py"
+    argv = ["parallel_q_learning.py", "--repeats", "1", "--num-seeds", "4"]
+    argv += ["--total-timesteps", "1000"]
+    done = subprocess.run([sys.executable, str(bench), *argv], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "2 processes / 1 process: training rate" in done.stdout, done.stdout
 
 
 def test_replot_does_not_train_and_a_bad_folder_is_one_line(tmp_path, capsys, monkeypatch):
