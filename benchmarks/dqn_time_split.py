@@ -1,0 +1,119 @@
+"""Where a DQN step's time goes, at the article's settings, on one CPU device.
+
+    .venv/bin/python benchmarks/dqn_time_split.py                 # 64 agents, 2000 steps
+    .venv/bin/python benchmarks/dqn_time_split.py --agents 4 --steps 100 --repeats 1
+
+Times, per environment step of all agents, compile excluded, medians of alternating runs:
+the whole of dqn_cartpole.py's train (acting, environment, buffer, one update per step, target
+copies, one final evaluation) and its parts run alone, each in its own `lax.scan` of the same
+length under `jax.vmap` over the agents: the gradient update (Huber loss, grads, clipping,
+Adam) on a batch of 32, the forward pass that picks an action, the CartPole step. The
+settings are benchmarks/dqn_cartpole.py's (MLP 64-64-64, batch 32, buffer 512, no LayerNorm).
+"""
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import dqn_cartpole as dqn  # noqa: E402
+
+
+def parts(steps: int) -> dict:
+    """name -> function of one key, each running `steps` steps of one agent."""
+    config = dataclasses.replace(
+        dqn.Config(),
+        total_timesteps=steps,
+        eval_every=steps,
+        hidden_sizes=(64, 64, 64),
+        batch_size=32,
+        buffer_size=512,
+        train_frequency=1,
+        learning_starts=0,
+        target_update_interval=10,
+        tau=1.0,
+        gamma=0.9,
+        learning_rate=1e-3,
+        anneal_lr=False,
+        double_dqn=False,
+        layer_norm=False,
+        eval_episodes=1,
+    )
+    env, network = dqn.CartPole(), dqn.QNetwork(config.hidden_sizes, 2, False)
+    optimizer = optax.chain(optax.clip_by_global_norm(10.0), optax.adam(1e-3))
+
+    def update_only(key):
+        params = network.init(key, jnp.zeros(4))
+        ones = jnp.ones((32, 4))
+        batch = dqn.Transition(ones, jnp.zeros(32, jnp.int32), ones[:, 0], ones, ones[:, 0] < 0)
+
+        def body(carry, key):
+            params, opt_state = carry
+            noisy = batch._replace(obs=batch.obs + jax.random.normal(key, (32, 4)))
+            grads = jax.grad(dqn.dqn_loss)(params, params, network.apply, noisy, 0.9, False)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), None
+
+        carry = (params, optimizer.init(params))
+        return jax.lax.scan(body, carry, jax.random.split(key, steps))[0]
+
+    def act_only(key):
+        params = network.init(key, jnp.zeros(4))
+
+        def body(total, key):
+            q_values = network.apply(params, jax.random.normal(key, (4,)))
+            return total + dqn.epsilon_greedy(key, q_values, 0.1), None
+
+        return jax.lax.scan(body, 0, jax.random.split(key, steps))[0]
+
+    def env_only(key):
+        def body(state, key):  # the observations are summed: no step can be optimized away
+            action = jax.random.bernoulli(key).astype(jnp.int32)
+            obs, state, *_ = env.step(key, state, action)
+            return state, obs.sum()
+
+        return jax.lax.scan(body, env.reset(key)[1], jax.random.split(key, steps))[1].sum()
+
+    return {
+        "whole train": dqn.make_train(config, env, network),
+        "update": update_only,
+        "act (forward + epsilon-greedy)": act_only,
+        "environment step": env_only,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", type=int, default=64, help="agents under jax.vmap")
+    parser.add_argument("--steps", type=int, default=2_000, help="environment steps")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; medians")
+    args = parser.parse_args()
+    keys = jax.random.split(jax.random.key(0), args.agents)
+    functions = {name: jax.jit(jax.vmap(f)) for name, f in parts(args.steps).items()}
+    for f in functions.values():
+        jax.block_until_ready(f(keys))  # compile and warm up
+    times = {name: [] for name in functions}
+    for _ in range(args.repeats):
+        for name, f in functions.items():
+            start = time.perf_counter()
+            jax.block_until_ready(f(keys))
+            times[name].append((time.perf_counter() - start) / args.steps)
+    whole = statistics.median(times["whole train"])
+    print(f"{args.agents} agents, {args.steps} steps, 1 device; per step of all agents:")
+    for name, samples in times.items():
+        seconds = statistics.median(samples)
+        print(f"  {name:32s} {seconds * 1e6:8.1f} us  {seconds / whole:6.1%} of the whole")
+
+
+if __name__ == "__main__":
+    main()
