@@ -626,8 +626,17 @@ def train_agents(train, seed: int, num_seeds: int, grid: HParams, plan: SeedPlan
     compile_s, start = time.perf_counter() - start, time.perf_counter()
     out = jax.block_until_ready(compiled(keys, hparams))
     train_s = time.perf_counter() - start
-    # Every process gets every agent's result, also the shards other processes computed.
-    return multihost_utils.process_allgather(out, tiled=True), compile_s, train_s
+    return gather(out), compile_s, train_s
+
+
+def gather(out):
+    """Every agent's result on every process, also the shards other processes computed. A
+    process that died is one line here, not a hang (JAX recovers, see join_cluster)."""
+    try:
+        return multihost_utils.process_allgather(out, tiled=True)
+    except jax.errors.JaxRuntimeError as error:
+        reason = str(error).splitlines()[0][:160]
+        sys.exit(f"dqn_cartpole.py: error: another process of the cluster stopped ({reason})")
 
 
 class Progress:
@@ -999,9 +1008,13 @@ def join_cluster(args) -> None:
     tasks is found. Then jax.devices() lists every process's devices and the seeds are sharded
     over all of them. Processes other than 0 print nothing to stdout and write nothing."""
     flags = (args.coordinator_address, args.num_processes, args.process_id)
+    # A process that dies is an error where the others next wait for it (the gather of the
+    # results), not an abort with a C++ stack trace in every other process.
+    recover = partial(jax.config.update, "jax_enable_recoverability", True)
     if all(value is None for value in flags):
         tasks = (os.environ.get(name, "1") for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
         if any(count != "1" for count in tasks):
+            recover()
             jax.distributed.initialize()
         return
     if any(value is None for value in flags):
@@ -1010,12 +1023,13 @@ def join_cluster(args) -> None:
         raise ValueError(f"--process-id must be in [0, --num-processes), got {args.process_id}")
     check_coordinator(args.coordinator_address, args.process_id, args.cluster_timeout)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes gather
+    recover()
     jax.distributed.initialize(
         args.coordinator_address,
         args.num_processes,
         args.process_id,
         initialization_timeout=int(args.cluster_timeout),
-        heartbeat_timeout_seconds=int(args.cluster_timeout),  # a dead process stops the rest
+        heartbeat_timeout_seconds=int(args.cluster_timeout),
     )
 
 

@@ -574,8 +574,10 @@ def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
         "train_time_s": time.perf_counter() - start,  # the compiled training call alone
         "seeds_padded_to": int(keys.shape[0]),  # a multiple of devices x chunks
     }
-    # Every process gets every agent's result, also the shards other processes computed.
-    result = multihost_utils.process_allgather(result, tiled=True)
+    try:  # every agent's result on every process, also the shards other processes computed
+        result = multihost_utils.process_allgather(result, tiled=True)
+    except jax.errors.JaxRuntimeError as error:  # a process died: one line, not a hang
+        fail(f"another process of the cluster stopped ({str(error).splitlines()[0][:160]})", 1)
     return jax.tree.map(lambda x: np.asarray(x)[:, : config.num_seeds], result), timings
 
 
@@ -862,9 +864,13 @@ def join_cluster(coordinator_address, num_processes, process_id, cluster_timeout
     tasks is found. Then jax.devices() lists every process's devices and the seeds are sharded
     over all of them. Processes other than 0 print nothing to stdout and write nothing."""
     flags = (coordinator_address, num_processes, process_id)
+    # A process that dies is an error where the others next wait for it (the gather of the
+    # results), not an abort with a C++ stack trace in every other process.
+    recover = partial(jax.config.update, "jax_enable_recoverability", True)
     if all(value is None for value in flags):
         tasks = (os.environ.get(name, "1") for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
         if any(count != "1" for count in tasks):
+            recover()
             jax.distributed.initialize()
     elif any(value is None for value in flags):
         fail("--coordinator-address, --num-processes and --process-id go together")
@@ -873,12 +879,13 @@ def join_cluster(coordinator_address, num_processes, process_id, cluster_timeout
             fail(f"--process-id must be in [0, --num-processes), got {process_id}")
         check_coordinator(coordinator_address, process_id, cluster_timeout)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes gather
+        recover()
         jax.distributed.initialize(
             coordinator_address,
             num_processes,
             process_id,
             initialization_timeout=int(cluster_timeout),
-            heartbeat_timeout_seconds=int(cluster_timeout),  # a dead process stops the rest
+            heartbeat_timeout_seconds=int(cluster_timeout),
         )
     if jax.process_index() > 0:  # process 0 reports and writes for the whole cluster
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115
