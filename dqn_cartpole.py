@@ -480,10 +480,10 @@ SOME_ENVS = "cartpole, gymnax, gymnax:Acrobot-v1, gymnax:MountainCar-v0, gymnax:
 # The values the update rule can use. The command line checks every grid point's: HParams are
 # data, which train() takes as they come.
 HPARAM_RULES = {
-    "learning_rate": (lambda x: x > 0, "must be > 0"),
+    "learning_rate": (lambda x: 0 < x < math.inf, "must be > 0 and finite"),
     "gamma": (lambda x: 0 <= x < 1, "must be in [0, 1)"),
     "tau": (lambda x: 0 < x <= 1, "must be in (0, 1]"),
-    "max_grad_norm": (lambda x: x > 0, "must be > 0"),
+    "max_grad_norm": (lambda x: 0 < x < math.inf, "must be > 0 and finite"),
     "epsilon_start": (lambda x: 0 <= x <= 1, "must be in [0, 1]"),
     "epsilon_end": (lambda x: 0 <= x <= 1, "must be in [0, 1]"),
     "exploration_fraction": (lambda x: 0 < x <= 1, "must be in (0, 1]"),
@@ -549,18 +549,48 @@ class SeedPlan(NamedTuple):
     bytes_per_seed: int
 
 
-def bytes_per_seed(config: Config, env, network: QNetwork) -> int:
-    """A generous estimate of the device memory one seed's `train` needs."""
+def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int], int]:
+    """(A generous estimate of the device memory one seed's `train` needs, in bytes, by the flag
+    that drives each part, so that a refusal names the largest; the bytes of its results)."""
     obs = jax.eval_shape(env.reset, jax.random.key(0))[0]
     params = jax.tree.leaves(jax.eval_shape(network.init, jax.random.key(0), obs))
-    block, widths = config.block_steps, config.hidden_sizes
-    words = 6 * sum(x.size for x in params)  # params, target, Adam's two moments, grads, updates
-    words += config.buffer_size * (2 * obs.size + 3)  # the replay buffer
-    words += 2 * (2 * block + block // config.train_frequency + 5)  # one block's keys
-    words += 6 * config.batch_size * sum(widths)  # an update's activations
-    words += 4 * config.eval_episodes * (max(widths) + obs.size)  # the greedy evaluation
-    words += 4 * (config.total_timesteps // block)  # the metrics
-    return 2 * 4 * words  # 4-byte words; x2 for the temporaries XLA keeps beside the loop
+    num_params, block, widths = sum(x.size for x in params), config.block_steps, config.hidden_sizes
+    num_metrics = 4 * (1 + config.total_timesteps // block)
+    words = {
+        "--hidden-sizes": 6 * num_params,  # params, target, Adam's two moments, grads, updates
+        "--buffer-size": config.buffer_size * (2 * obs.size + 3),  # the replay buffer
+        "--eval-every": 2 * (2 * block + block // config.train_frequency + 5),  # a block's keys
+        "--batch-size": 6 * config.batch_size * sum(widths),  # an update's activations
+        "--eval-episodes": 4 * config.eval_episodes * (max(widths) + obs.size),  # evaluation
+        "--total-timesteps": num_metrics,
+    }
+    # 4-byte words; x2 for the temporaries XLA keeps beside the loop.
+    return {name: 2 * 4 * count for name, count in words.items()}, 4 * (num_params + num_metrics)
+
+
+def bytes_per_seed(config: Config, env, network: QNetwork) -> int:
+    return sum(memory_need(config, env, network)[0].values())
+
+
+def check_memory(terms: dict[str, int], result_bytes: int, num_agents: int) -> None:
+    """MemoryError naming the flag to change, before any work: when one seed's training does not
+    fit in half a device's free memory (the flag of its largest part), or the results of all
+    agents, held at once on this host at the end, do not fit in half its free memory."""
+    available = bytes_available(jax.local_devices()[0])
+    need = sum(terms.values())
+    if need > available // 2:
+        largest = max(terms, key=terms.get)
+        raise MemoryError(
+            f"{largest}: one seed needs ~{need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB "
+            f"free per device (half of it usable); lower {largest}"
+        )
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    if result_bytes * num_agents > host // 2:
+        raise MemoryError(
+            f"--num-seeds: the results of {num_agents} agents need "
+            f"~{result_bytes * num_agents / 2**30:.1f} GiB, more than half the "
+            f"{host / 2**30:.1f} GiB free here; fewer seeds (or grid points)"
+        )
 
 
 def bytes_available(device) -> int:
@@ -1128,7 +1158,7 @@ def run_training(config: Config, grid: HParams, env, network, plan: SeedPlan, en
     num_points = len(grid.gamma)
     num_agents = num_points * config.num_seeds
     devices = plural(plan.num_devices, jax.devices()[0].platform + " device")
-    memory = f"~{plan.bytes_per_seed * plan.padded_seeds / 2**20:.0f} MiB"
+    memory = f"~{plan.bytes_per_seed * plan.seeds_per_batch / 2**20:.0f} MiB per device"
     points = f"{plural(num_points, 'grid point')} x " if num_points > 1 else ""
     print(
         f"{env_id}: {points}{plural(config.num_seeds, 'seed')} x {config.total_timesteps} steps on "
@@ -1169,6 +1199,23 @@ def parse_command(argv: list[str] | None):
     return args, Config(**given, **points[0]), points, params
 
 
+def check_run(config: Config, output: Path) -> None:
+    """What Config does not check on its own: the run as a whole and the output folder.
+    ValueError('--flag problem') before any work."""
+    if not -(2**63) <= config.seed < 2**63:  # what jax.random.key takes
+        raise ValueError(f"--seed must be a 64-bit integer, got {config.seed}")
+    if config.learning_starts >= config.total_timesteps:
+        raise ValueError("--learning-starts must be below --total-timesteps: no update would run")
+    if not str(config.output_dir):  # "" would write into the current folder
+        raise ValueError("--output-dir must name a folder, not be empty")
+    try:  # the folder, or the nearest parent that exists, must be a writable folder
+        existing = next(path for path in (output, *output.absolute().parents) if path.exists())
+    except OSError as error:  # a name the OS refuses (too long, say)
+        raise ValueError(f"--output-dir: {error}") from None
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise ValueError(f"--output-dir {output}: {existing} is not a writable folder")
+
+
 def replot(folder: str) -> None:
     """--replot DIR: the figure again, from the saved files alone."""
     output = Path(folder)
@@ -1198,10 +1245,11 @@ def main(argv: list[str] | None = None) -> None:
         output = Path(config.output_dir.replace("{env}", name))
         if args.load and args.output_dir is None:  # a loaded run's results go into that run
             output = Path(args.load)
-        if output.exists() and not output.is_dir():
-            raise ValueError(f"--output-dir {output} exists and is not a folder")
+        check_run(config, output)
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
-        need = bytes_per_seed(config, env, network)
+        terms, result_bytes = memory_need(config, env, network)
+        check_memory(terms, result_bytes, len(points) * config.num_seeds)
+        need = sum(terms.values())
         plan = None if args.load else plan_seeds(len(points) * config.num_seeds, need)
     except (argparse.ArgumentError, ValueError, MemoryError) as error:
         print(f"dqn_cartpole.py: error: {error}", file=sys.stderr)

@@ -603,6 +603,15 @@ BAD_INPUTS = [
     (["--env", "gymnax:Pendulum-v1"], "--env"),  # continuous actions
     (["--env", "gymnax:NoSuchEnv-v0"], "--env"),
     (["--env", "gymnax:Acrobot-v1", "--render"], "--render"),
+    # Numbers at the edges, before any work.
+    (["--learning-rate", "inf"], "--learning-rate"),
+    (["--max-grad-norm", "inf"], "--max-grad-norm"),
+    (["--learning-starts", "1000", "--total-timesteps", "1000"], "--learning-starts"),
+    (["--seed", "9223372036854775808"], "--seed"),
+    # Memory: the results of all seeds, and the flag that drives one seed's need.
+    (["--num-seeds", "1000000000"], "--num-seeds"),
+    (["--eval-episodes", "100000000"], "--eval-episodes"),
+    (["--buffer-size", "10000000000"], "--buffer-size"),
     # A cluster that cannot form: one line before any work, not JAX's abort after its time-out.
     (["--num-processes", "2"], "--process-id"),
     (CLUSTER + ["--process-id", "2"], "--process-id"),
@@ -627,6 +636,9 @@ def test_cli_output_dir_that_is_a_file_and_load_without_params(tmp_path, capsys)
     a_file.write_text("x")
     for argv, flag in [
         (["--output-dir", str(a_file)], "--output-dir"),
+        (["--output-dir", str(a_file / "sub")], "--output-dir"),  # checked before training
+        (["--output-dir", "x" * 300], "--output-dir"),  # a name the OS refuses
+        (["--output-dir", ""], "--output-dir"),
         (["--load", str(tmp_path), "--output-dir", str(tmp_path / "o")], "--load"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
