@@ -354,6 +354,7 @@ import contextlib
 import csv
 import json
 import platform
+import signal
 import sys
 import time
 from importlib import metadata
@@ -394,6 +395,15 @@ G..#.....#..
 CPU_MIN_SEEDS_TO_VMAP = 32
 
 
+def wait(tree):
+    """jax.block_until_ready that keeps Python responsive meanwhile: a Ctrl-C or SIGTERM is
+    handled within 0.1 s, not only when the compiled call returns."""
+    for leaf in jax.tree.leaves(tree):
+        while not leaf.is_ready():
+            time.sleep(0.05)
+    return tree
+
+
 def train_seeds(train, seed: int, num_seeds: int, batch_size: int | None = None):
     """jax.jit(jax.vmap(train)) over seeds 0..num_seeds-1 split over the devices -> (numpy
     outputs, timings). batch_size: each device runs its seeds that many at a time (None: all)."""
@@ -421,7 +431,7 @@ def train_seeds(train, seed: int, num_seeds: int, batch_size: int | None = None)
     start = time.perf_counter()
     compiled = run.lower(keys).compile()
     compiled_at = time.perf_counter()
-    out = jax.block_until_ready(compiled(keys))
+    out = wait(compiled(keys))
     timings = {
         "compile_time_s": compiled_at - start,
         "train_time_s": time.perf_counter() - compiled_at,  # the compiled training call alone
@@ -723,10 +733,11 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"--output-dir: {error}")
     few_seeds = config.num_seeds < CPU_MIN_SEEDS_TO_VMAP * jax.device_count()
     batch_size = 1 if jax.default_backend() == "cpu" and few_seeds else None
+    devices = plural(jax.device_count(), f"{jax.default_backend()} device")
+    print(f"{plural(config.num_seeds, 'seed')} x {config.total_timesteps:,} steps on {devices}")
     out, timings = train_seeds(make_train(config, env), config.seed, config.num_seeds, batch_size)
     summary = summarize(config, env, out["q_values"], timings)
     seeds, seed_0 = plural(config.num_seeds, "seed"), summary["seeds"][0]
-    devices = plural(len(timings["devices"]), f"{jax.default_backend()} device")
     print(
         f"compile {timings['compile_time_s']:.2f} s, train {timings['train_time_s']:.3f} s, "
         f"{summary['agent_steps_per_s'] / 1e6:.1f}M agent-steps/s ({seeds} x "
@@ -744,5 +755,21 @@ def main(argv: list[str] | None = None) -> None:
           f"wall {summary['wall_time_s']:.1f} s")  # fmt: skip
 
 
+class Stopped(Exception):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt."""
+
+
+def stop(signum, frame):
+    raise Stopped
+
+
 if __name__ == "__main__":
-    main()
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        main()
+    except (KeyboardInterrupt, Stopped) as interrupt:
+        code, cause = (143, "SIGTERM") if isinstance(interrupt, Stopped) else (130, "Ctrl-C")
+        message = f"q_learning_gridworld.py: stopped by {cause}, unfinished; no file half-written"
+        print(message, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(code)  # now: not after the compiled call still running in the background

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -693,3 +694,37 @@ def test_benchmark_runs_from_a_clone_at_a_tiny_size(script, tiny, printed):
     )
     assert result.returncode == 0, result.stderr
     assert printed in result.stdout, result.stdout
+
+
+SIGNAL_ARGV = [dqn.__file__, "--num-seeds", "4", "--total-timesteps", "400000"]
+SIGNAL_ARGV += shlex.split("--eval-every 100000 --hidden-sizes 16 --buffer-size 256")
+SIGNAL_AFTER = "10%"  # printed once training runs
+
+
+def run_and_interrupt(argv: list[str], signum: int, after: str) -> tuple[int, str]:
+    """Start the script with argv, send `signum` once `after` is printed -> (exit code, stderr)."""
+    process = subprocess.Popen(
+        [sys.executable, "-u", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    seen = []
+    for line in process.stdout:  # "-u": lines arrive as they are printed
+        seen.append(line)
+        if after in line:
+            process.send_signal(signum)
+            break
+    rest, _ = process.communicate(timeout=60)
+    return process.returncode, "".join(seen) + rest
+
+
+# One signal here (the gridworld's tests send both): each run costs a compile.
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130)])
+def test_a_signal_during_training_is_one_line_and_its_exit_code(tmp_path, signum, code):
+    """Ctrl-C (SIGINT) and SIGTERM stop the run within a moment, mid-training, with one line
+    and 130 / 143, no traceback, and no file written."""
+    output = tmp_path / "run"
+    argv = [*SIGNAL_ARGV, "--output-dir", str(output)]
+    returncode, printed = run_and_interrupt(argv, signum, SIGNAL_AFTER)
+    last = printed.strip().splitlines()[-1]
+    assert returncode == code and "Traceback" not in printed, printed
+    assert last.endswith("unfinished; no file half-written") and "stopped by" in last, printed
+    assert not output.exists() or not any(output.iterdir())

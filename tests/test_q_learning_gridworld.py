@@ -7,6 +7,7 @@ script (its own map parsing and moves), so a bug shared by both cannot hide.
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import warnings
@@ -688,3 +689,35 @@ def test_output_dir_that_cannot_be_a_folder_is_one_line(tmp_path, monkeypatch, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--output-dir" in err[0], err
     assert list(tmp_path.iterdir()) == []
+
+
+SIGNAL_ARGV = [str(SCRIPT), "--num-seeds", "4096"]
+SIGNAL_AFTER = " steps on "  # printed as training starts
+
+
+def run_and_interrupt(argv: list[str], signum: int, after: str) -> tuple[int, str]:
+    """Start the script with argv, send `signum` once `after` is printed -> (exit code, stderr)."""
+    process = subprocess.Popen(
+        [sys.executable, "-u", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    seen = []
+    for line in process.stdout:  # "-u": lines arrive as they are printed
+        seen.append(line)
+        if after in line:
+            process.send_signal(signum)
+            break
+    rest, _ = process.communicate(timeout=60)
+    return process.returncode, "".join(seen) + rest
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_during_training_is_one_line_and_its_exit_code(tmp_path, signum, code):
+    """Ctrl-C (SIGINT) and SIGTERM stop a run that has started (here while it compiles) with
+    one line and 130 / 143, no traceback, and no file written."""
+    output = tmp_path / "run"
+    argv = [*SIGNAL_ARGV, "--output-dir", str(output)]
+    returncode, printed = run_and_interrupt(argv, signum, SIGNAL_AFTER)
+    last = printed.strip().splitlines()[-1]
+    assert returncode == code and "Traceback" not in printed, printed
+    assert last.endswith("unfinished; no file half-written") and "stopped by" in last, printed
+    assert not output.exists() or not any(output.iterdir())
