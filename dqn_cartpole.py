@@ -612,9 +612,11 @@ def bytes_available(device) -> int:
 
 
 def plan_seeds(num_agents: int, need: int, memory_fraction=0.5, platform=None) -> SeedPlan:
-    """Pad the agents to a multiple of the device count; batch them when they do not fit (on
-    a CPU, at most CPU_SEEDS_PER_BATCH: `platform` other than "cpu" lifts that, which lets a
-    test run the GPU layout on a CPU). MemoryError when not even one agent fits."""
+    """Pad the agents to a multiple of the device count; batch them when they do not fit. On a
+    CPU, always batches of CPU_SEEDS_PER_BATCH (or what fits), the agents padded to whole
+    batches: seed i then runs in the same lane of the same program whatever --num-seeds is, so
+    its results are bit for bit the same. `platform` other than "cpu" gives the GPU layout,
+    which a test runs on a CPU. MemoryError when not even one agent fits."""
     devices = jax.devices()  # of every process in a cluster
     padded = -(-num_agents // len(devices)) * len(devices)
     available = bytes_available(jax.local_devices()[0])
@@ -625,7 +627,9 @@ def plan_seeds(num_agents: int, need: int, memory_fraction=0.5, platform=None) -
             "device: lower --buffer-size, --eval-every or --batch-size"
         )
     if (platform or devices[0].platform) == "cpu":
-        fits = min(fits, CPU_SEEDS_PER_BATCH)
+        batch = min(fits, CPU_SEEDS_PER_BATCH)
+        padded = -(-num_agents // (batch * len(devices))) * batch * len(devices)
+        return SeedPlan(len(devices), padded, batch, need)
     per_device = padded // len(devices)  # the largest batch that fits and divides it evenly:
     batch = max(b for b in range(1, fits + 1) if per_device % b == 0)
     return SeedPlan(len(devices), padded, batch, need)

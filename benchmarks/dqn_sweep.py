@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; medians")
     args = parser.parse_args()
     steps = ["--total-timesteps", str(args.timesteps), "--eval-every", str(args.timesteps)]
+    steps += ["--learning-starts", str(min(1_000, args.timesteps // 2))]  # the default, or half
     sides = {
         f"sweep 4 x {args.seeds} seeds": [*steps, *GRID, "--num-seeds", str(args.seeds)],
         f"one config of {4 * args.seeds} seeds": [*steps, "--num-seeds", str(4 * args.seeds)],

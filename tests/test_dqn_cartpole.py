@@ -274,6 +274,19 @@ def test_memory_batches_seeds_when_they_do_not_fit(monkeypatch):
         dqn.plan_seeds(config.num_seeds, need)
 
 
+def test_seed_i_is_the_same_agent_whatever_num_seeds(tiny_train):
+    """Seeds 0 and 1 train bit for bit the same agents in runs of 3 or 40 seeds: on a CPU every
+    run has the same batch width, padded, so a seed runs in the same lane of the same program
+    (3 seeds: one batch per device, mostly padding; 40 seeds: two batches per device)."""
+    grid, need = dqn.hparam_grid([dqn.hparams_of(TINY)]), bytes_per_seed(TINY)
+    runs = {}
+    for num_seeds in (3, 40):
+        plan = dqn.plan_seeds(num_seeds, need)
+        out, _, _ = dqn.train_agents(tiny_train, 0, num_seeds, grid, plan)
+        runs[num_seeds] = jax.tree.map(lambda x: np.asarray(x[:2]), out)
+    jax.tree.map(np.testing.assert_array_equal, runs[3], runs[40])
+
+
 def test_gpu_layout_runs_on_a_cpu(monkeypatch, tiny_train, vmapped_out):
     """The layout a GPU gets (free memory from memory_stats, every agent of a device at once,
     no CPU batch limit), run on the CPU: it trains what jit(vmap(train)) trains."""
@@ -372,7 +385,8 @@ def test_tiny_run_on_a_gymnax_environment(name):
 
 
 def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_out):
-    """3 seeds on 2 devices (padded to 4, padding dropped) give what jit(vmap) gave;
+    """3 seeds on 2 devices (padded to a batch of 16 per device, the padding dropped) give what
+    jit(vmap) gave;
     the progress callback runs once per report on each device; then --load re-evaluates."""
     reports = []
     record = dqn.Progress.__call__
@@ -396,12 +410,12 @@ def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_
         "iqm",
     ):
         assert key in summary
-    assert summary["seeds_padded_to"] == 4 and len(summary["devices"]) == 2
+    assert summary["seeds_padded_to"] == 32 and len(summary["devices"]) == 2
     np.testing.assert_allclose(
         summary["final_eval_return"], vmapped_out["metrics"]["eval_return"][:, -1], atol=1e-4
     )
     assert summary["iqm"]["ci95"][0] <= summary["iqm"]["value"] <= summary["iqm"]["ci95"][1]
-    # 2 devices, one batch of 2 agents each: every report's step count comes from both.
+    # 2 devices, one batch each: every report's step count comes from both.
     assert set(Counter(reports).values()) == {2} and max(reports) == TINY.total_timesteps
     assert (out_dir / "learning_curves.png").stat().st_size > 0
     assert (out_dir / "params.msgpack").stat().st_size > 0
