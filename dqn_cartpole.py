@@ -979,6 +979,10 @@ def plot_sweep(labels: list, results: list, solved, title: str, path: Path) -> N
         error = [[iqm["value"] - iqm["ci95"][0]], [iqm["ci95"][1] - iqm["value"]]]
         label = "IQM, 95% bootstrap CI" if first else None
         ax.errorbar(iqm["value"], row, xerr=error, fmt="o", c="tab:orange", label=label)
+    if solved is not None:  # each row's solved share, the figure's headline, beside its label
+        shares = [(r["solved_fraction"], *r["solved_ci95"]) for r in results]
+        labels = [f"{label}\n{s:.0%} solved [{lo:.0%}, {hi:.0%}]" for label, (s, lo, hi) in
+                  zip(labels, shares, strict=True)]  # fmt: skip
     ax.set_yticks(range(len(order)), [labels[g] for g in order])
     ax.invert_yaxis()  # the best on top
     if solved is not None:
