@@ -1222,6 +1222,8 @@ def check_run(config: Config, output: Path) -> None:
     ValueError('--flag problem') before any work."""
     if not -(2**63) <= config.seed < 2**63:  # what jax.random.key takes
         raise ValueError(f"--seed must be a 64-bit integer, got {config.seed}")
+    if config.total_timesteps >= 2**31:  # the step counters are int32 (jax's default)
+        raise ValueError("--total-timesteps must be below 2^31 (2,147,483,648)")
     if config.learning_starts >= config.total_timesteps:
         raise ValueError("--learning-starts must be below --total-timesteps: no update would run")
     if not str(config.output_dir):  # "" would write into the current folder

@@ -522,10 +522,15 @@ def validate(config: Config, schedule: Schedule) -> GridWorld:
         raise ConfigError("output_dir", f"{str(existing)!r} exists and is not a directory")
     if not os.access(existing, os.W_OK):
         raise ConfigError("output_dir", f"{str(existing)!r} is not writable")
-    # Per agent, in 4-byte words: the Q-table thrice (scan carry, loop buffer, output), a block
-    # of random bits and its scan slices, the curve. Half the memory is left to XLA and others.
-    per_agent = 3 * env.num_cells * NUM_ACTIONS + 2 * schedule.block_steps
-    per_agent += schedule.num_points * len(Curve._fields)
+    # Per agent, in 4-byte words, by the flag that drives each part: the Q-table thrice (scan
+    # carry, loop buffer, output), a block of random bits and its scan slices, the curve. Half
+    # the memory is left to XLA and others.
+    per_agent_terms = {
+        "layout": 3 * env.num_cells * NUM_ACTIONS,
+        "rng_block_steps": 2 * schedule.block_steps,
+        "num_curve_points": schedule.num_points * len(Curve._fields),
+    }
+    per_agent = sum(per_agent_terms.values())
     grid = len(grid_points(config))
     padded_seeds = math.ceil(config.num_seeds / jax.device_count()) * jax.device_count()
     needed = 4 * per_agent * padded_seeds * grid * jax.local_device_count() / jax.device_count()
@@ -534,6 +539,10 @@ def validate(config: Config, schedule: Schedule) -> GridWorld:
         limit = sum(s["bytes_limit"] for s in stats) / 2
     else:
         limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2
+    if 4 * per_agent > limit:  # one agent alone: name the flag of its largest part
+        largest = max(per_agent_terms, key=per_agent_terms.get)
+        raise ConfigError(largest, f"one agent needs about {4 * per_agent / 1e9:.1f} GB, more "
+                          f"than {limit / 1e9:.1f} GB (half the memory)")  # fmt: skip
     if needed > limit:
         raise ConfigError(
             "num_seeds",

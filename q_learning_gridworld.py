@@ -444,20 +444,32 @@ def train_seeds(train, seed: int, num_seeds: int, batch_size: int | None = None)
 
 def check_memory(config: Config, env: GridWorld) -> None:
     """Refuse, before compiling, a run whose arrays need more than half the devices' memory
-    (GPU memory where reported, else RAM; the rest is for XLA and everything else). Per seed:
-    the Q-table thrice (carry, loop buffer, output), one block of random words, the metrics."""
-    words = 3 * env.num_cells * NUM_ACTIONS + config.steps_per_block  # Q-tables, random words
-    words += config.num_recorded_episodes + 4 * config.num_curve_points  # metrics
-    needed = 4 * config.num_seeds * words  # bytes
+    (GPU memory where reported, else RAM; the rest is for XLA and everything else), naming the
+    flag to change: the largest part of one seed's need if one seed is too many, else
+    --num-seeds. Bytes per seed, by the flag that drives each part."""
+    per_seed = {
+        "--layout": 4 * 3 * env.num_cells * NUM_ACTIONS,  # the Q-table thrice: carry, loop, output
+        "--steps-per-block": 4 * 6 * config.steps_per_block,  # a block's random words, and more
+        # On the device, then as rows of first_episodes.csv and points of the figure.
+        "--num-recorded-episodes": 200 * config.num_recorded_episodes,
+        "--num-curve-points": 4 * 4 * config.num_curve_points,
+    }
     stats = [device.memory_stats() or {} for device in jax.devices()]
     if jax.default_backend() != "cpu" and all("bytes_limit" in s for s in stats):
         limit = sum(s["bytes_limit"] for s in stats) / 2
     else:
         limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2
-    if needed > limit:
+    need = sum(per_seed.values())
+    if need > limit:
+        largest = max(per_seed, key=per_seed.get)
         fail(
-            f"--num-seeds {config.num_seeds} needs about {needed / 1e9:.1f} GB, more than half "
-            f"the devices' memory ({limit / 1e9:.1f} GB); use fewer seeds"
+            f"{largest}: one seed needs about {need / 1e9:.1f} GB, more than half the devices' "
+            f"memory ({limit / 1e9:.1f} GB); lower {largest}"
+        )
+    if config.num_seeds * need > limit:
+        fail(
+            f"--num-seeds {config.num_seeds} needs about {config.num_seeds * need / 1e9:.1f} GB, "
+            f"more than half the devices' memory ({limit / 1e9:.1f} GB); use fewer seeds"
         )
 
 

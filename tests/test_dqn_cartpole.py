@@ -623,6 +623,7 @@ BAD_INPUTS = [
     (["--max-grad-norm", "inf"], "--max-grad-norm"),
     (["--learning-starts", "1000", "--total-timesteps", "1000"], "--learning-starts"),
     (["--seed", "9223372036854775808"], "--seed"),
+    (["--total-timesteps", "3000000000", "--eval-every", "3000000"], "--total-timesteps"),
     # Memory: the results of all seeds, and the flag that drives one seed's need.
     (["--num-seeds", "1000000000"], "--num-seeds"),
     (["--eval-episodes", "100000000"], "--eval-episodes"),

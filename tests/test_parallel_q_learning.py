@@ -302,6 +302,7 @@ CLUSTER = ["--coordinator-address", "127.0.0.1:9", "--num-processes", "2"]
         (["--gammas", "1.0"], "--gammas"),
         (["--layout", "no_such_layout"], "--layout"),
         (["--num-seeds", "1000000000"], "--num-seeds"),
+        (["--rng-block-steps", "2000000000", "--total-timesteps", "2000000000"], "--rng-block"),
         (["--num-seeds", "many"], "--num-seeds"),
         (["--no-such-flag"], "--no-such-flag"),
         (["--layout", "/no/such/map.txt"], "--layout"),
