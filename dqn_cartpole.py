@@ -1,7 +1,7 @@
 """DQN on CartPole-v1 or any gymnax env, many seeds at once in one compiled call (PureJaxRL style).
 
     python dqn_cartpole.py --num-seeds 512                     # train 512 independent agents
-    python dqn_cartpole.py --load runs/dqn_cartpole --render   # re-evaluate them, write a GIF
+    python dqn_cartpole.py --load runs/dqn_cartpole_<time> --render   # re-evaluate, a GIF
     python dqn_cartpole.py --env gymnax:Acrobot-v1 --gamma 0.99,0.995 --num-seeds 64  # a sweep
 
 The whole experiment (acting, replay buffer, updates, target network, greedy evaluation) is one
@@ -70,7 +70,7 @@ class Config:
     eval_every: int = option(5_000, "environment steps between greedy evaluations")
     eval_episodes: int = option(10, "fresh episodes per greedy evaluation (epsilon 0)")
     env: str = option("cartpole", "cartpole (ours), gymnax (its CartPole-v1) or gymnax:<id>")
-    output_dir: str = option("runs/dqn_{env}", "where summary, figures and params go")
+    output_dir: str = option("runs/dqn_{env}_{time}", "run folder; {time}: its start")
 
     @property
     def block_steps(self) -> int:
@@ -817,6 +817,8 @@ def score_line(result: dict, solved: float | None) -> str:
 
 
 RUN_FILES = ("summary.json", "curves.csv", "params.msgpack")
+# All a run writes: what --overwrite may replace.
+RUN_NAMES = (*RUN_FILES, "learning_curves.png", "sweep.png", "load_summary.json", "render.gif")
 CURVES = ("step", "eval_return", "train_return", "loss")  # curves.csv's columns after seed
 
 
@@ -1130,6 +1132,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--load", metavar="DIR", help=load_help)
     parser.add_argument("--render", action="store_true", help="GIF of the median agent (CartPole)")
     parser.add_argument("--replot", metavar="DIR", help="redraw a saved run's figure; no training")
+    overwrite_help = "replace the run in an --output-dir that holds one"
+    parser.add_argument("--overwrite", action="store_true", help=overwrite_help)
     cluster = parser.add_argument_group("several processes, one JAX cluster (see README)")
     cluster.add_argument("--coordinator-address", metavar="HOST:PORT", help="process 0's address")
     cluster.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
@@ -1217,6 +1221,39 @@ def parse_command(argv: list[str] | None):
     return args, Config(**given, **points[0]), points, params
 
 
+def run_folder(template: str, overwrite: bool) -> str:
+    """The run's folder. `{time}` in the name becomes the start time: a new folder for every
+    run (_2, _3 when two start in the same second). A folder named outright that already holds
+    files is refused, unless --overwrite, which replaces what a run wrote there (see
+    clear_folder) and refuses a folder that holds anything else. ValueError('--flag ...')."""
+    if not template:  # "" would write into the current folder
+        raise ValueError("--output-dir must name a folder, not be empty")
+    if "{time}" in template:
+        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+        folder, copy = template.replace("{time}", stamp), 1
+        while Path(folder).exists():
+            copy += 1
+            folder = template.replace("{time}", f"{stamp}_{copy}")
+        return folder
+    try:
+        held = sorted(entry.name for entry in Path(template).iterdir())
+    except NotADirectoryError:
+        raise ValueError(f"--output-dir {template} is not a folder") from None
+    except OSError:  # no such folder yet (it is made later), or a name the OS refuses
+        held = []
+    if held and not overwrite:
+        raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")
+    if foreign := [name for name in held if name not in RUN_NAMES and not name.endswith(".tmp")]:
+        raise ValueError(f"--overwrite replaces a run only; {template} also holds {foreign[0]}")
+    return template
+
+
+def clear_folder(folder: Path) -> None:
+    """Remove a previous run's files (run_folder allowed nothing else), after every check."""
+    for entry in folder.iterdir() if folder.is_dir() else ():
+        entry.unlink()
+
+
 def check_run(config: Config, output: Path) -> None:
     """What Config does not check on its own: the run as a whole and the output folder.
     ValueError('--flag problem') before any work."""
@@ -1262,9 +1299,11 @@ def main(argv: list[str] | None = None) -> None:
         if args.render and env_id != "CartPole-v1":
             raise ValueError(f"--render draws CartPole only, not {env_id}")
         name = "cartpole" if config.env == "cartpole" else env_id.lower()
-        output = Path(config.output_dir.replace("{env}", name))
         if args.load and args.output_dir is None:  # a loaded run's results go into that run
             output = Path(args.load)
+        else:
+            output = Path(run_folder(config.output_dir.replace("{env}", name), args.overwrite))
+        config = dataclasses.replace(config, output_dir=str(output))
         check_run(config, output)
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
         terms, result_bytes = memory_need(config, env, network)
@@ -1277,6 +1316,9 @@ def main(argv: list[str] | None = None) -> None:
 
     if jax.process_index() == 0:
         output.mkdir(parents=True, exist_ok=True)
+        if output != Path(args.load or ""):  # a loaded run keeps its files
+            clear_folder(output)
+        print(f"output {output}/")
     solved = SOLVED_RETURNS.get(env_id) if args.solved_return is None else args.solved_return
     obs_size = jax.eval_shape(env.reset, jax.random.key(0))[0].size
     environment = {"id": env_id, "obs_size": obs_size, "num_actions": env.num_actions}

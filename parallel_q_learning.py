@@ -64,7 +64,7 @@ class Config:
     # Short: a block's random bits for thousands of agents stay in cache (measured: see README).
     rng_block_steps: int = option(100, "steps whose random bits are drawn at once")
     agents_per_chunk: int = option(0, "agents a device trains at once; 0: cache-sized on CPU")
-    output_dir: str = option("runs/parallel_q_learning", "where summary.json and figures go")
+    output_dir: str = option("runs/parallel_q_learning_{time}", "run folder; {time}: its start")
 
     def __post_init__(self):
         # The ranges, checked here so make_train never sees them wrong (make_env checks the map).
@@ -664,6 +664,7 @@ HEATMAP_MEASURES = {
     "optimal_time_share": "share of training on a shortest path (mean over seeds)",
 }
 RUN_FILES = ("summary.json", "curves.csv", "q_tables.npy")
+RUN_NAMES = (*RUN_FILES, "sweep_heatmap.png", "learning_curves.png")  # all a run writes
 
 
 @contextlib.contextmanager
@@ -840,15 +841,53 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config | Path, dict]:
     cluster.add_argument("--process-id", type=int, metavar="I", help="this process, 0 to N-1")
     timeout_help = "seconds to wait for the cluster to form, or for a silent process"
     cluster.add_argument("--cluster-timeout", type=float, default=60.0, help=timeout_help)
+    overwrite_help = "replace the run in an --output-dir that holds one"
+    parser.add_argument("--overwrite", action="store_true", help=overwrite_help)
     args = vars(parser.parse_args(argv))
     cluster_flags = ("coordinator_address", "num_processes", "process_id", "cluster_timeout")
     cluster = {name: args.pop(name) for name in cluster_flags}
     if (run_dir := args.pop("replot", None)) is not None:
         return run_dir, cluster
+    overwrite = args.pop("overwrite")
     try:
-        return Config(**args), cluster
+        config = Config(**args)
+        config = dataclasses.replace(config, output_dir=run_folder(config.output_dir, overwrite))
+        return config, cluster
     except ValueError as error:
         fail(str(error))
+
+
+def run_folder(template: str, overwrite: bool) -> str:
+    """The run's folder. `{time}` in the name becomes the start time: a new folder for every
+    run (_2, _3 when two start in the same second). A folder named outright that already holds
+    files is refused, unless --overwrite, which replaces what a run wrote there (see
+    clear_folder) and refuses a folder that holds anything else. ValueError('--flag ...')."""
+    if not template:  # "" would write into the current folder
+        raise ValueError("--output-dir must name a folder, not be empty")
+    if "{time}" in template:
+        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+        folder, copy = template.replace("{time}", stamp), 1
+        while Path(folder).exists():
+            copy += 1
+            folder = template.replace("{time}", f"{stamp}_{copy}")
+        return folder
+    try:
+        held = sorted(entry.name for entry in Path(template).iterdir())
+    except NotADirectoryError:
+        raise ValueError(f"--output-dir {template} is not a folder") from None
+    except OSError:  # no such folder yet (it is made later), or a name the OS refuses
+        held = []
+    if held and not overwrite:
+        raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")
+    if foreign := [name for name in held if name not in RUN_NAMES and not name.endswith(".tmp")]:
+        raise ValueError(f"--overwrite replaces a run only; {template} also holds {foreign[0]}")
+    return template
+
+
+def clear_folder(folder: Path) -> None:
+    """Remove a previous run's files (run_folder allowed nothing else), after every check."""
+    for entry in folder.iterdir() if folder.is_dir() else ():
+        entry.unlink()
 
 
 def check_coordinator(address: str, process_id: int, timeout: float) -> None:
@@ -924,6 +963,9 @@ def main(argv: list[str] | None = None) -> None:
         env = validate(config, schedule)
     except ConfigError as error:
         fail(str(error))
+    if jax.process_index() == 0:  # a run --overwrite replaces: after every check
+        clear_folder(Path(config.output_dir))
+    print(f"output {config.output_dir}/")
     mesh = seed_mesh()
     chunks = chunks_per_device(config, env, mesh)
     num_grid = len(grid_points(config))

@@ -49,7 +49,7 @@ class Config:
     initial_q: float = option(1.0, "initial Q-values; 1.0 is optimistic: no state is worth more")
     num_seeds: int = option(1, "independent agents trained at once, sharded over all devices")
     seed: int = option(0, "base random seed; agent i uses fold_in(key(seed), i)")
-    output_dir: str = option("runs/q_learning_gridworld", "where summary.json and figures go")
+    output_dir: str = option("runs/q_learning_gridworld_{time}", "run folder; {time}: its start")
     max_episode_steps: int = option(0, "truncate an episode after this many steps (0: never)")
     # Large on purpose: one call to jax.random.bits has a fixed cost, which a large block
     # spreads over many steps (measured: see README). The words take 4 bytes a step a seed.
@@ -574,6 +574,7 @@ def read_csv(path: Path, num_seeds: int) -> dict:
 
 
 RUN_FILES = ("summary.json", "curves.csv", "first_episodes.csv", "q_tables.npy")
+RUN_NAMES = (*RUN_FILES, "q_learning_gridworld.png")  # all a run writes
 
 
 def save_run(output_dir: Path, summary: dict, out: dict) -> None:
@@ -712,13 +713,50 @@ def parse_config(argv: list[str] | None = None) -> Config | Path:
         parser.add_argument(flag, type=convert, default=default, help=field.metadata["help"])
     replot = {"type": Path, "metavar": "DIR", "default": argparse.SUPPRESS}  # no "(default: ...)"
     parser.add_argument("--replot", **replot, help="redraw the figures of a saved run; no training")
+    overwrite_help = "replace the run in an --output-dir that holds one"
+    parser.add_argument("--overwrite", action="store_true", help=overwrite_help)
     args = vars(parser.parse_args(argv))
     if (run_dir := args.pop("replot", None)) is not None:
         return run_dir
+    overwrite = args.pop("overwrite")
     try:
-        return Config(**args)
+        config = Config(**args)
+        return dataclasses.replace(config, output_dir=run_folder(config.output_dir, overwrite))
     except ValueError as error:
         fail(str(error))
+
+
+def run_folder(template: str, overwrite: bool) -> str:
+    """The run's folder. `{time}` in the name becomes the start time: a new folder for every
+    run (_2, _3 when two start in the same second). A folder named outright that already holds
+    files is refused, unless --overwrite, which replaces what a run wrote there (see
+    clear_folder) and refuses a folder that holds anything else. ValueError('--flag ...')."""
+    if not template:  # "" would write into the current folder
+        raise ValueError("--output-dir must name a folder, not be empty")
+    if "{time}" in template:
+        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+        folder, copy = template.replace("{time}", stamp), 1
+        while Path(folder).exists():
+            copy += 1
+            folder = template.replace("{time}", f"{stamp}_{copy}")
+        return folder
+    try:
+        held = sorted(entry.name for entry in Path(template).iterdir())
+    except NotADirectoryError:
+        raise ValueError(f"--output-dir {template} is not a folder") from None
+    except OSError:  # no such folder yet (it is made later), or a name the OS refuses
+        held = []
+    if held and not overwrite:
+        raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")
+    if foreign := [name for name in held if name not in RUN_NAMES and not name.endswith(".tmp")]:
+        raise ValueError(f"--overwrite replaces a run only; {template} also holds {foreign[0]}")
+    return template
+
+
+def clear_folder(folder: Path) -> None:
+    """Remove a previous run's files (run_folder allowed nothing else), after every check."""
+    for entry in folder.iterdir() if folder.is_dir() else ():
+        entry.unlink()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -737,12 +775,12 @@ def main(argv: list[str] | None = None) -> None:
             "is at most --total-timesteps / --steps-per-block (lower --steps-per-block for more)"
         )
     output_dir = Path(config.output_dir)
-    if not config.output_dir:  # "" would write into the current folder
-        fail("--output-dir must name a folder, not be empty")
     try:  # before training, so that a bad --output-dir costs no training
         output_dir.mkdir(parents=True, exist_ok=True)
+        clear_folder(output_dir)
     except OSError as error:
         fail(f"--output-dir: {error}")
+    print(f"output {output_dir}/")
     few_seeds = config.num_seeds < CPU_MIN_SEEDS_TO_VMAP * jax.device_count()
     batch_size = 1 if jax.default_backend() == "cpu" and few_seeds else None
     devices = plural(jax.device_count(), f"{jax.default_backend()} device")

@@ -53,7 +53,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         for repeat in range(args.repeats):
             for side, (name, argv) in enumerate(sides.items()):
-                train_s, wall_s = timed(argv, Path(folder) / str(side))
+                train_s, wall_s = timed(argv, Path(folder) / f"{side}_{repeat}")
                 times[name].append((train_s, wall_s))
                 line = f"train {train_s:.2f} s, end to end {wall_s:.2f} s"
                 print(f"round {repeat + 1}/{args.repeats}, {name}: {line}", flush=True)

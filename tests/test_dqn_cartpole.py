@@ -429,10 +429,8 @@ def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_
             "--render",
             "--env",
             "gymnax",
-            "--output-dir",
-            str(out_dir),
         ]
-    )
+    )  # no --output-dir: the results of --load go into the run it loads
     loaded = json.loads((out_dir / "load_summary.json").read_text())
     assert len(loaded["final_eval_return"]) == 3 and loaded["config"]["env"] == "gymnax"
     assert (out_dir / "render.gif").read_bytes()[:3] == b"GIF"
@@ -490,6 +488,27 @@ def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
         assert (tmp_path / "process0" / name).read_bytes() == single, name
 
 
+@pytest.mark.parametrize(
+    ("held", "argv", "problem"),
+    [
+        (["summary.json"], [], "already holds a run"),
+        (["summary.json", "notes.txt"], ["--overwrite"], "also holds notes.txt"),
+    ],
+)
+def test_an_output_dir_that_holds_a_run_is_kept_unless_overwrite(
+    tmp_path, capsys, held, argv, problem
+):
+    """A folder named outright that holds a run is refused in one line; --overwrite replaces
+    only what a run wrote, so a folder with anything else is refused too, and left as it was."""
+    for name in held:
+        (tmp_path / name).write_text("kept")
+    with pytest.raises(SystemExit) as exit_info:
+        dqn.main([*TINY_ARGS, "--output-dir", str(tmp_path), *argv])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and problem in err, err
+    assert all((tmp_path / name).read_text() == "kept" for name in held)
+
+
 def test_replot_of_a_folder_without_a_run_is_one_line(tmp_path, capsys):
     (tmp_path / "summary.json").write_text("{}")
     with pytest.raises(SystemExit) as exit_info:
@@ -528,7 +547,8 @@ def test_cli_sweep_on_acrobot_then_load_takes_env_and_network_from_the_run(
     ranks them; --load of that run plays Acrobot with the run's network without being told."""
     monkeypatch.chdir(tmp_path)
     dqn.main(ACROBOT_SWEEP_ARGS)
-    run = tmp_path / "runs" / "dqn_acrobot-v1"  # the default folder follows the environment
+    # The default folder follows the environment, and is new for each run (its start time).
+    (run,) = (tmp_path / "runs").glob("dqn_acrobot-v1_20*")
     summary = json.loads((run / "summary.json").read_text())
     # Acrobot: 6 observations, 3 actions, solved at -100 (Gymnasium's reward_threshold).
     assert summary["environment"] == {

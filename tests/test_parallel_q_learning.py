@@ -437,6 +437,25 @@ def test_two_process_benchmark_runs_at_a_tiny_size():
     assert "2 processes / 1 process: training rate" in done.stdout, done.stdout
 
 
+@pytest.mark.parametrize(
+    ("held", "argv", "problem"),
+    [
+        (["summary.json"], [], "already holds a run"),
+        (["summary.json", "notes.txt"], ["--overwrite"], "also holds notes.txt"),
+    ],
+)
+def test_an_output_dir_that_holds_a_run_is_kept_unless_overwrite(
+    tmp_path, capsys, held, argv, problem
+):
+    for name in held:
+        (tmp_path / name).write_text("kept")
+    with pytest.raises(SystemExit) as exit_info:
+        pq.main(["--output-dir", str(tmp_path), *argv])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and problem in err, err
+    assert all((tmp_path / name).read_text() == "kept" for name in held)
+
+
 def test_replot_does_not_train_and_a_bad_folder_is_one_line(tmp_path, capsys, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("--replot must not train or compile")

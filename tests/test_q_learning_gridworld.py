@@ -639,6 +639,32 @@ def test_replot_of_a_folder_that_is_no_run_is_one_line(tmp_path, capsys):
     assert exit_info.value.code == 2 and err.count("\n") == 1 and "--replot" in err, err
 
 
+def test_each_run_gets_a_new_folder_and_a_named_one_is_kept_unless_overwrite(
+    tmp_path, monkeypatch, capsys
+):
+    """The default folder is new for every run (two in one second: _2); a folder named
+    outright that holds a run is refused in one line; --overwrite replaces that run, and
+    refuses a folder that holds anything else, leaving it as it was."""
+    monkeypatch.chdir(tmp_path)
+    tiny = ["--total-timesteps", "1000", "--steps-per-block", "500", "--num-seeds", "2"]
+    qlg.main(tiny)
+    qlg.main(tiny)
+    first, second = sorted((tmp_path / "runs").glob("q_learning_gridworld_20*"))
+    assert f"output {first.relative_to(tmp_path)}/" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        qlg.main([*tiny, "--output-dir", str(first)])
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "already holds a run" in err, err
+    (first / "summary.json").write_text("an older run")
+    qlg.main([*tiny, "--output-dir", str(first), "--overwrite"])
+    assert json.loads((first / "summary.json").read_text())["config"]["output_dir"] == str(first)
+    (second / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit):
+        qlg.main([*tiny, "--output-dir", str(second), "--overwrite"])
+    assert "also holds notes.txt" in capsys.readouterr().err
+    assert (second / "notes.txt").read_text() == "mine" and (second / "summary.json").exists()
+
+
 def test_too_many_curve_points_is_a_note_naming_the_flag(tmp_path, capsys):
     argv = ["--total-timesteps", "300", "--steps-per-block", "100", "--num-curve-points", "7"]
     qlg.main([*argv, "--output-dir", str(tmp_path)])
