@@ -397,6 +397,18 @@ def test_cli_happy_path(tmp_path):
         assert (output / name).stat().st_size > 0
 
 
+def test_seed_i_is_the_same_agent_whatever_num_seeds(tmp_path):
+    """Seeds 0 and 1 of every grid point end with bit for bit the same Q-tables in a run of 3
+    seeds and one of 40 (other padding, other chunks)."""
+    tables = {}
+    for num_seeds in (3, 40):
+        output = tmp_path / str(num_seeds)
+        pq.main(["--num-seeds", str(num_seeds), "--total-timesteps", "20000", "--output-dir",
+                 str(output)])  # fmt: skip
+        tables[num_seeds] = np.load(output / "q_tables.npy")[:, :2]
+    np.testing.assert_array_equal(tables[3], tables[40])
+
+
 def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
     """Two processes on 127.0.0.1, one CPU device each, form one JAX cluster: the seeds are
     sharded over both, only process 0 writes, both exit 0, and every agent is bit for bit the

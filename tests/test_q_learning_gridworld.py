@@ -665,6 +665,18 @@ def test_each_run_gets_a_new_folder_and_a_named_one_is_kept_unless_overwrite(
     assert (second / "notes.txt").read_text() == "mine" and (second / "summary.json").exists()
 
 
+def test_seed_i_is_the_same_agent_whatever_num_seeds(tmp_path):
+    """Seeds 0 and 1 end with bit for bit the same Q-tables in a run of 3 seeds (one at a time
+    on CPU) and one of 70 (vmapped): the layout changes, the agents do not."""
+    tables = {}
+    for num_seeds in (3, 70):
+        output = tmp_path / str(num_seeds)
+        argv = ["--num-seeds", str(num_seeds), "--total-timesteps", "20000"]
+        qlg.main([*argv, "--steps-per-block", "10000", "--output-dir", str(output)])
+        tables[num_seeds] = np.load(output / "q_tables.npy")[:2]
+    np.testing.assert_array_equal(tables[3], tables[70])
+
+
 def test_too_many_curve_points_is_a_note_naming_the_flag(tmp_path, capsys):
     argv = ["--total-timesteps", "300", "--steps-per-block", "100", "--num-curve-points", "7"]
     qlg.main([*argv, "--output-dir", str(tmp_path)])
