@@ -73,9 +73,11 @@ class Config:
     output_dir: str = option("runs/dqn_{env}_{time}", "run folder; {time}: its start")
 
     @property
-    def block_steps(self) -> int:
-        """Environment steps between evaluations (a small budget gets one block)."""
-        return min(self.eval_every, self.total_timesteps)
+    def blocks(self) -> tuple[tuple[int, int, int], ...]:
+        """(first block, blocks, steps in each): the evaluation blocks, the last one shorter when
+        eval_every does not divide total_timesteps."""
+        full, rest = divmod(self.total_timesteps, self.eval_every)
+        return tuple(b for b in ((0, full, self.eval_every), (full, 1, rest)) if b[1] and b[2])
 
     def __post_init__(self):
         """Raise ValueError('--flag problem') for the first bad value."""
@@ -84,15 +86,11 @@ class Config:
         checks = [(name, getattr(self, name) >= 1, "must be >= 1") for name in positive]
         widths_ok = len(self.hidden_sizes) > 0 and min(self.hidden_sizes) >= 1
         # max(1, ...): no division by a bad value before that value's own check fails.
-        steps, block = self.total_timesteps, max(1, self.block_steps)
-        updates_fit = block % max(1, self.train_frequency) == 0
-        few_evals = steps // block <= MAX_EVAL_POINTS
+        few_evals = self.total_timesteps / max(1, self.eval_every) <= MAX_EVAL_POINTS
         checks += [
             ("hidden_sizes", widths_ok, "needs one or more widths >= 1, e.g. 64,64"),
             ("learning_starts", self.learning_starts >= 0, "must be >= 0"),
             ("batch_size", self.batch_size <= self.buffer_size, "must be <= --buffer-size"),
-            ("total_timesteps", steps % block == 0, "must be a multiple of --eval-every"),
-            ("eval_every", updates_fit, "must be a multiple of --train-frequency"),
             ("eval_every", few_evals, f"is too small: more than {MAX_EVAL_POINTS} evaluations"),
         ]
         for name, ok, problem in checks:
@@ -312,20 +310,14 @@ class Carry(NamedTuple):
     key: jax.Array
 
 
-def make_train(config: Config, env=None, network=None, progress_callback=None):
-    """Returns train(key, hparams=None) -> {"params", "metrics"}: one seed's whole experiment
-    (the Config's hyperparameters if hparams is None). Blocks of `eval_every` steps, each ending
-    in a greedy evaluation, made of iterations of `train_frequency` env steps and one update."""
-    env = CartPole() if env is None else env
-    if network is None:
-        network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
-    block = config.block_steps
-    num_blocks = config.total_timesteps // block
-    iters_per_block = block // config.train_frequency
-    num_updates = (config.total_timesteps - config.learning_starts) // config.train_frequency
+def make_blocks(config: Config, env, network: QNetwork, progress_callback=None):
+    """(init, run_blocks), the two parts of train: init(key, hp) -> (Carry, metrics [1] of the
+    untrained network); run_blocks(carry, hp, blocks [n], steps) -> (Carry, metrics [n]), each
+    block `steps` environment steps (an update every train_frequency) and a greedy evaluation."""
     num_eval, nan = config.eval_episodes, jnp.float32(jnp.nan)
+    num_updates = (config.total_timesteps - config.learning_starts) // config.train_frequency
     # Report progress ~200 times: often enough for a smooth ETA, rare enough to be free.
-    report_every = max(1, num_blocks * iters_per_block // 200)
+    report_every = max(1, config.total_timesteps // 200)
 
     def make_optimizer(hp: HParams):
         lr = hp.learning_rate
@@ -333,12 +325,24 @@ def make_train(config: Config, env=None, network=None, progress_callback=None):
             lr = optax.linear_schedule(hp.learning_rate, 0.0, max(1, num_updates))
         return optax.chain(optax.clip_by_global_norm(hp.max_grad_norm), optax.adam(lr))
 
-    def env_step(hp: HParams, carry: Carry, xs) -> tuple[Carry, dict]:
-        step, act_key, env_key = xs
+    def update(hp: HParams, agent: AgentState, buffer: Buffer, key: jax.Array):
+        batch = buffer_sample(buffer, key, config.batch_size)
+        loss, grads = jax.value_and_grad(dqn_loss)(
+            agent.params, agent.target_params, network.apply, batch, hp.gamma, config.double_dqn
+        )
+        updates, opt_state = make_optimizer(hp).update(grads, agent.opt_state, agent.params)
+        params = optax.apply_updates(agent.params, updates)
+        return agent._replace(params=params, opt_state=opt_state), loss
+
+    def no_update(hp: HParams, agent: AgentState, buffer: Buffer, key: jax.Array):
+        return agent, jnp.float32(0.0)
+
+    def step(hp: HParams, carry: Carry, xs) -> tuple[Carry, dict]:
+        t, (act_key, env_key, sample_key) = xs  # t: the global step index, the same every seed
         # Linear decay over the first exploration_fraction of the run, scheduled on the progress
         # in [0, 1]: a schedule's length in steps must be static, and here it is data.
         decay = optax.linear_schedule(hp.epsilon_start, hp.epsilon_end, transition_steps=1)
-        epsilon = decay(step / (hp.exploration_fraction * config.total_timesteps))
+        epsilon = decay(t / (hp.exploration_fraction * config.total_timesteps))
         q_values = network.apply(carry.agent.params, carry.obs)  # [actions]
         action = epsilon_greedy(act_key, q_values, epsilon)
         obs, env_state, reward, terminated, truncated, info = env.step(
@@ -351,72 +355,45 @@ def make_train(config: Config, env=None, network=None, progress_callback=None):
             next_obs=info["final_observation"],
             terminated=terminated,
         )
-        episode_return = carry.episode_return + reward
-        done = terminated | truncated
-        carry = carry._replace(
-            buffer=buffer_add(carry.buffer, transition),
-            env_state=env_state,
-            obs=obs,
-            episode_return=jnp.where(done, 0.0, episode_return),
-        )
-        # An episode's return is reported on its last step only.
-        return carry, {"finished_return": jnp.where(done, episode_return, 0.0), "done": done}
-
-    def update(hp: HParams, agent: AgentState, batch: Transition):
-        loss, grads = jax.value_and_grad(dqn_loss)(
-            agent.params, agent.target_params, network.apply, batch, hp.gamma, config.double_dqn
-        )
-        updates, opt_state = make_optimizer(hp).update(grads, agent.opt_state, agent.params)
-        params = optax.apply_updates(agent.params, updates)
-        return agent._replace(params=params, opt_state=opt_state), loss
-
-    def no_update(hp: HParams, agent: AgentState, batch: Transition):  # before learning_starts
-        return agent, jnp.float32(0.0)
-
-    def iteration(hp: HParams, carry: Carry, xs) -> tuple[Carry, dict]:
-        it, act_keys, env_keys, sample_key = xs  # it: global iteration index (not per seed)
-        first_step = it * config.train_frequency
-        steps = first_step + jnp.arange(config.train_frequency)
-        carry, steps_info = jax.lax.scan(partial(env_step, hp), carry, (steps, act_keys, env_keys))
-        steps_done = first_step + config.train_frequency
+        buffer = buffer_add(carry.buffer, transition)
 
         # The predicates below depend on the step count only, which is the same for every seed,
-        # so under vmap they stay real branches: no wasted updates.
-        learn = steps_done >= config.learning_starts
-        # Sampled outside the branch, so that the branch takes the small batch as its operand.
-        batch = buffer_sample(carry.buffer, sample_key, config.batch_size)
-        agent, loss = jax.lax.cond(learn, update, no_update, hp, carry.agent, batch)
-        # A target update whenever this iteration crossed a multiple of the interval.
-        interval = config.target_update_interval
-        cross = steps_done // interval > first_step // interval
+        # so under vmap they stay real branches: the steps without an update cost no update.
+        learning = t + 1 >= config.learning_starts
+        updated = learning & ((t + 1) % config.train_frequency == 0)
+        agent, loss = jax.lax.cond(updated, update, no_update, hp, carry.agent, buffer, sample_key)
         target = jax.lax.cond(
-            learn & cross,
+            learning & ((t + 1) % config.target_update_interval == 0),
             lambda a: optax.incremental_update(a.params, a.target_params, hp.tau),
             lambda a: a.target_params,
             agent,
         )
-        carry = carry._replace(agent=agent._replace(target_params=target))
+        if progress_callback is not None:  # progress_callback(steps): `steps` more were done
+            report = partial(jax.debug.callback, progress_callback, report_every)
+            jax.lax.cond((t + 1) % report_every == 0, report, lambda: None)
 
-        if progress_callback is not None:
-            report = partial(jax.debug.callback, progress_callback, steps_done)
-            jax.lax.cond((it + 1) % report_every == 0, report, lambda: None)
-        return carry, {"loss": loss, "updated": learn, **steps_info}  # loss 0 if no update
-
-    def train_block(hp: HParams, carry: Carry, block_index) -> tuple[Carry, dict]:
-        # One split per block: all the randomness of `eval_every` steps drawn at once.
-        key, act_key, env_key, sample_key, eval_key = jax.random.split(carry.key, 5)
-        shape = (iters_per_block, config.train_frequency)
-        xs = (
-            block_index * iters_per_block + jnp.arange(iters_per_block),
-            jax.random.split(act_key, shape),
-            jax.random.split(env_key, shape),
-            jax.random.split(sample_key, iters_per_block),
+        episode_return = carry.episode_return + reward
+        done = terminated | truncated
+        carry = carry._replace(
+            agent=agent._replace(target_params=target),
+            buffer=buffer,
+            env_state=env_state,
+            obs=obs,
+            episode_return=jnp.where(done, 0.0, episode_return),
         )
-        carry, info = jax.lax.scan(partial(iteration, hp), carry._replace(key=key), xs)
+        # An episode's return is reported on its last step only; the loss where an update ran.
+        info = {"finished_return": jnp.where(done, episode_return, 0.0), "done": done}
+        return carry, {**info, "loss": loss, "updated": updated}
+
+    def run_block(hp: HParams, steps: int, carry: Carry, block) -> tuple[Carry, dict]:
+        # One split per block: all the randomness of its steps drawn at once.
+        key, step_key, eval_key = jax.random.split(carry.key, 3)
+        xs = (block * config.eval_every + jnp.arange(steps), jax.random.split(step_key, (steps, 3)))
+        carry, info = jax.lax.scan(partial(step, hp), carry._replace(key=key), xs)
         returns = greedy_episodes(eval_key, carry.agent.params, env, network, num_eval)
         episodes, updates = info["done"].sum(), info["updated"].sum()
         metrics = {
-            "step": (block_index + 1) * block,
+            "step": block * config.eval_every + steps,
             "eval_return": returns.mean(),
             # NaN where the block had no finished episode / no update, not a fake 0.
             "train_return": jnp.where(episodes > 0, info["finished_return"].sum() / episodes, nan),
@@ -424,25 +401,50 @@ def make_train(config: Config, env=None, network=None, progress_callback=None):
         }
         return carry, metrics
 
-    def train(key: jax.Array, hparams: HParams | None = None) -> dict:
-        hp = HParams(*(getattr(config, n) for n in HParams._fields)) if hparams is None else hparams
+    def run_blocks(carry: Carry, hp: HParams, blocks: jax.Array, steps: int):
+        return jax.lax.scan(partial(run_block, hp, steps), carry, blocks)
+
+    def init(key: jax.Array, hp: HParams) -> tuple[Carry, dict]:
         key, init_key, reset_key = jax.random.split(key, 3)
         obs, env_state = env.reset(reset_key)
         params = network.init(init_key, obs)
-        opt_state = make_optimizer(hp).init(params)
         carry = Carry(
-            agent=AgentState(params=params, target_params=params, opt_state=opt_state),
+            agent=AgentState(
+                params=params, target_params=params, opt_state=make_optimizer(hp).init(params)
+            ),
             buffer=buffer_init(config.buffer_size, obs.shape[-1]),
             env_state=env_state,
             obs=obs,
             episode_return=jnp.float32(0.0),
             key=key,
         )
-        carry, metrics = jax.lax.scan(partial(train_block, hp), carry, jnp.arange(num_blocks))
         # The curves start at step 0, with the untrained network, on a key outside the chain.
-        returns = greedy_episodes(jax.random.fold_in(init_key, 1), params, env, network, num_eval)
+        eval_key, eval_params = jax.lax.optimization_barrier(
+            (jax.random.fold_in(init_key, 1), params)
+        )
+        returns = greedy_episodes(eval_key, eval_params, env, network, num_eval)
         start = {"step": 0, "eval_return": returns.mean(), "train_return": nan, "loss": nan}
-        metrics = jax.tree.map(jnp.append, start, metrics)
+        return carry, jax.tree.map(lambda x: jnp.asarray(x)[None], start)
+
+    return init, run_blocks
+
+
+def make_train(config: Config, env=None, network=None, progress_callback=None):
+    """Returns train(key, hparams=None) -> {"params", "metrics"}: one seed's whole experiment
+    (the Config's hyperparameters if hparams is None): init, then the blocks of eval_every
+    steps, each ending in a greedy evaluation (the last one shorter if eval_every does not
+    divide total_timesteps). The command line runs the same parts a block at a time."""
+    env = CartPole() if env is None else env
+    if network is None:
+        network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
+    init, run_blocks = make_blocks(config, env, network, progress_callback)
+
+    def train(key: jax.Array, hparams: HParams | None = None) -> dict:
+        hp = HParams(*(getattr(config, n) for n in HParams._fields)) if hparams is None else hparams
+        carry, metrics = init(key, hp)
+        for first, count, steps in config.blocks:
+            carry, more = run_blocks(carry, hp, first + jnp.arange(count), steps)
+            metrics = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), metrics, more)
         return {"params": carry.agent.params, "metrics": metrics}  # metrics: [1 + blocks]
 
     return train
@@ -564,12 +566,16 @@ def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int],
     that drives each part, so that a refusal names the largest; the bytes of its results)."""
     obs = jax.eval_shape(env.reset, jax.random.key(0))[0]
     params = jax.tree.leaves(jax.eval_shape(network.init, jax.random.key(0), obs))
-    num_params, block, widths = sum(x.size for x in params), config.block_steps, config.hidden_sizes
+    num_params, block, widths = (
+        sum(x.size for x in params),
+        min(config.eval_every, config.total_timesteps),
+        config.hidden_sizes,
+    )
     num_metrics = 4 * (1 + config.total_timesteps // block)
     words = {
         "--hidden-sizes": 6 * num_params,  # params, target, Adam's two moments, grads, updates
         "--buffer-size": config.buffer_size * (2 * obs.size + 3),  # the replay buffer
-        "--eval-every": 2 * (2 * block + block // config.train_frequency + 5),  # a block's keys
+        "--eval-every": 2 * (3 * block + 5),  # a block's keys
         "--batch-size": 6 * config.batch_size * sum(widths),  # an update's activations
         "--eval-episodes": 4 * config.eval_episodes * (max(widths) + obs.size),  # evaluation
         "--total-timesteps": num_metrics,
@@ -614,9 +620,10 @@ def bytes_available(device) -> int:
 def plan_seeds(num_agents: int, need: int, memory_fraction=0.5, platform=None) -> SeedPlan:
     """Pad the agents to a multiple of the device count; batch them when they do not fit. On a
     CPU, always batches of CPU_SEEDS_PER_BATCH (or what fits), the agents padded to whole
-    batches: seed i then runs in the same lane of the same program whatever --num-seeds is, so
-    its results are bit for bit the same. `platform` other than "cpu" gives the GPU layout,
-    which a test runs on a CPU. MemoryError when not even one agent fits."""
+    batches, two at least a device (XLA compiles a single batch without the loop around it, and
+    rounds differently): seed i then runs in the same lane of the same loop whatever
+    --num-seeds is, so its results are bit for bit the same. `platform` other than "cpu" gives
+    the GPU layout, which a test runs on a CPU. MemoryError when not even one agent fits."""
     devices = jax.devices()  # of every process in a cluster
     padded = -(-num_agents // len(devices)) * len(devices)
     available = bytes_available(jax.local_devices()[0])
@@ -628,49 +635,79 @@ def plan_seeds(num_agents: int, need: int, memory_fraction=0.5, platform=None) -
         )
     if (platform or devices[0].platform) == "cpu":
         batch = min(fits, CPU_SEEDS_PER_BATCH)
-        padded = -(-num_agents // (batch * len(devices))) * batch * len(devices)
-        return SeedPlan(len(devices), padded, batch, need)
+        batches = max(2, -(-num_agents // (batch * len(devices))))  # a device's batches
+        return SeedPlan(len(devices), batches * batch * len(devices), batch, need)
     per_device = padded // len(devices)  # the largest batch that fits and divides it evenly:
     batch = max(b for b in range(1, fits + 1) if per_device % b == 0)
     return SeedPlan(len(devices), padded, batch, need)
 
 
-def train_agents(train, seed: int, num_seeds: int, grid: HParams, plan: SeedPlan):
-    """jax.jit(jax.vmap(train)) over (key, hparams) pairs, one per agent, sharded over every
-    device. Agent a trains grid point a // num_seeds on seed i = a % num_seeds, key
-    fold_in(key(seed), i): every grid point gets the same seeds' keys, on purpose (common random
-    numbers: a difference between points is not the luck of the draw). Keys and hparams are made
-    inside jit straight into their shards. With fewer agents per batch than a device holds, each
-    device vmaps a batch at a time (lax.map). Returns (output, padding agents included; compile
-    s; train s)."""
-    mesh = Mesh(np.array(jax.devices()), ("seeds",))
-    sharding = NamedSharding(mesh, PartitionSpec("seeds"))
+def train_agents(config: Config, env, network, seed: int, grid: HParams, plan: SeedPlan,
+                 progress=None, start=None, timings=None):  # fmt: skip
+    """Trains every agent (grid point x seed) with the reference's init and run_blocks, one
+    evaluation block at a time, sharded over every device; after each block, yields (blocks
+    done, carry, metrics so far), so that the caller can save the run or stop it. `start`, such
+    a triple from a checkpoint, resumes. Agent a trains grid point a // num_seeds on seed
+    i = a % num_seeds, key fold_in(key(seed), i): every grid point gets the same seeds' keys, on
+    purpose (common random numbers: a difference between points is not the luck of the draw).
+    `timings`, a dict if given, gets the compile and training seconds."""
+    timings = {} if timings is None else timings
+    mesh, spec = Mesh(np.array(jax.devices()), ("seeds",)), PartitionSpec("seeds")
+    init, run_blocks = make_blocks(config, env, network, progress)
 
-    @partial(jax.jit, out_shardings=sharding)
+    @partial(jax.jit, out_shardings=NamedSharding(mesh, spec))  # made straight into their shards
     def make_inputs(grid: HParams):
         agent = jnp.arange(plan.padded_seeds)  # the padding agents repeat the last grid point
-        keys = jax.vmap(partial(jax.random.fold_in, jax.random.key(seed)))(agent % num_seeds)
-        point = jnp.minimum(agent // num_seeds, len(grid.gamma) - 1)
+        keys = jax.vmap(partial(jax.random.fold_in, jax.random.key(seed)))(agent % config.num_seeds)
+        point = jnp.minimum(agent // config.num_seeds, len(grid.gamma) - 1)
         return keys, jax.tree.map(lambda x: x[point], grid)
 
     # Each device runs its own agents, seeds_per_batch at once (vmapped), the batches one after
     # another (lax.map). shard_map, not a vmap over a devices axis left to the partitioner, which
     # ran the batches at half the speed (measured: see README). check_vma=False: train starts
     # from constants, which shard_map's type check would want marked as varying per device.
-    def per_device(keys, hparams):
-        pairs, batch = (keys, hparams), plan.seeds_per_batch
-        return jax.lax.map(lambda pair: train(*pair), pairs, batch_size=batch)
+    def on_devices(fn, in_specs):
+        def per_device(*args):
+            agents, shared = args[:2], args[2:]  # shared: the same for every agent
+            return jax.lax.map(lambda a: fn(*a, *shared), agents, batch_size=plan.seeds_per_batch)
 
-    spec = PartitionSpec("seeds")
-    train_all = jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+        return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=spec,
+                                     check_vma=False))  # fmt: skip
 
     keys, hparams = make_inputs(grid)
-    start = time.perf_counter()
-    compiled = jax.jit(train_all, out_shardings=sharding).lower(keys, hparams).compile()
-    compile_s, start = time.perf_counter() - start, time.perf_counter()
-    out = wait(compiled(keys, hparams))
-    train_s = time.perf_counter() - start
-    return gather(out), compile_s, train_s
+    clock, init_all = time.perf_counter(), on_devices(init, (spec, spec))
+    if start is None:
+        carry, metrics = init_all(keys, hparams)
+        done, metrics = 0, gather(metrics)
+    else:  # a checkpoint's agents, padded anew (repeating the last real one) for this layout
+        done, leaves, metrics = start
+        real = len(grid.gamma) * config.num_seeds
+        agent = np.minimum(np.arange(plan.padded_seeds), real - 1)
+        shapes = jax.eval_shape(init_all, keys, hparams)[0]
+        shapes = shapes._replace(key=jax.eval_shape(jax.random.key_data, shapes.key))
+        if [x.shape[1:] for x in leaves] != [x.shape[1:] for x in jax.tree.leaves(shapes)]:
+            sys.exit("dqn_cartpole.py: error: --resume: the checkpoint does not fit its own config")
+        sharding = NamedSharding(mesh, spec)
+        leaves = [x[agent] for x in leaves]
+        leaves = [jax.make_array_from_callback(x.shape, sharding, x.__getitem__) for x in leaves]
+        carry = jax.tree.unflatten(jax.tree.structure(shapes), leaves)
+        carry = carry._replace(key=jax.random.wrap_key_data(carry.key))
+        metrics = {name: x[agent] for name, x in metrics.items()}
+    blocks = [(b, steps) for first, n, steps in config.blocks for b in range(first, first + n)]
+    run = {  # one compiled program per block length (a shorter last block is another shape)
+        steps: on_devices(partial(run_blocks, steps=steps), (spec, spec, PartitionSpec()))
+        .lower(carry, hparams, np.zeros(1, np.int32))
+        .compile()
+        for steps in {steps for _, steps in blocks[done:]}
+    }
+    timings.update(compile_time_s=time.perf_counter() - clock, train_time_s=0.0)
+    for block, steps in blocks[done:]:
+        clock = time.perf_counter()
+        carry, more = run[steps](carry, hparams, np.array([block], np.int32))
+        more = gather(wait(more))
+        timings["train_time_s"] += time.perf_counter() - clock
+        metrics = jax.tree.map(lambda a, b: np.concatenate([a, b], axis=1), metrics, more)
+        yield block + 1, carry, metrics
 
 
 def gather(out):
@@ -687,7 +724,7 @@ class Progress:
     """Progress of all agents, fed by `jax.debug.callback` from inside the compiled loop: a tqdm
     bar in a terminal, else a plain line every 10% (a log file gets no carriage returns). Each
     device calls it for its batch of agents, once per report (the step count is the same for
-    every agent of a batch), so a call stands for `stride` steps of one batch."""
+    every agent of a batch), so a call stands for `steps` steps of one batch."""
 
     def __init__(self, num_agents: int, total_timesteps: int, plan: SeedPlan, terminal=None):
         # Padding agents are not counted; in a cluster, this process's devices only.
@@ -696,18 +733,18 @@ class Progress:
         self.total, self.done, self.next_line = num_agents * total_timesteps * share, 0.0, 0.1
         self.terminal = sys.stderr.isatty() if terminal is None else terminal
         self.quiet = jax.process_index() > 0  # process 0 speaks for the cluster
-        self.lock, self.start, self.stride, self.bar = threading.Lock(), None, 0, None
+        self.lock, self.start, self.bar = threading.Lock(), None, None
 
-    def __call__(self, steps_done) -> None:
+    def __call__(self, steps) -> None:
         if self.quiet:
             return
         with self.lock:  # devices call from their own threads
             if self.start is None:  # the first report: the rate and ETA leave compiling out
-                self.start, self.stride = time.perf_counter(), int(steps_done)
+                self.start = time.perf_counter()
                 if self.terminal:
                     unit = {"unit": "agent-steps", "unit_scale": True}
                     self.bar = tqdm(total=self.total, **unit, file=sys.stderr)
-            step = self.stride * self.agents_per_call
+            step = int(steps) * self.agents_per_call
             self.done += step
             if self.bar is not None:
                 self.bar.update(step)
@@ -818,7 +855,9 @@ def score_line(result: dict, solved: float | None) -> str:
 
 RUN_FILES = ("summary.json", "curves.csv", "params.msgpack")
 # All a run writes: what --overwrite may replace.
-RUN_NAMES = (*RUN_FILES, "learning_curves.png", "sweep.png", "load_summary.json", "render.gif")
+CHECKPOINT = "checkpoint.npz"  # a run stopped early, or on its way: what --resume reads
+RUN_NAMES = (*RUN_FILES, CHECKPOINT, "learning_curves.png", "sweep.png", "load_summary.json")
+RUN_NAMES = (*RUN_NAMES, "render.gif")
 CURVES = ("step", "eval_return", "train_return", "loss")  # curves.csv's columns after seed
 
 
@@ -864,6 +903,37 @@ def save_run(output: Path, summary: dict, points: list, out: dict) -> None:
         file.write(flax.serialization.to_bytes(out["params"]))
 
 
+def save_checkpoint(output: Path, config: Config, points: list, done: int, carry, metrics) -> None:
+    """CHECKPOINT: the whole training state of every agent after `done` blocks (params, target,
+    optimizer, buffer, environment, keys), the metrics so far, and the run's config and grid
+    points, in one file written atomically: all --resume needs."""
+    carry = gather(carry._replace(key=jax.random.key_data(carry.key)))  # every process joins
+    if jax.process_index() > 0:
+        return
+    run = json.dumps({"config": dataclasses.asdict(config), "points": points})
+    arrays = {f"carry_{i}": x for i, x in enumerate(jax.tree.leaves(carry))}
+    arrays |= {f"metrics_{name}": x for name, x in metrics.items()}
+    with atomic_open(output / CHECKPOINT, "wb") as file:
+        np.savez(file, run=run, blocks_done=done, **arrays)
+
+
+def load_checkpoint(folder: str) -> tuple[Config, list, tuple]:
+    """(Config, grid points, (blocks done, carry leaves, metrics)) of a run that saved a
+    checkpoint; any problem is a one-line ValueError."""
+    try:
+        with np.load(Path(folder) / CHECKPOINT) as file:
+            run = json.loads(str(file["run"]))
+            num_leaves = sum(name.startswith("carry_") for name in file.files)
+            leaves = [file[f"carry_{i}"] for i in range(num_leaves)]
+            metrics = {name: file[f"metrics_{name}"] for name in CURVES}
+            done = int(file["blocks_done"])
+        saved = run["config"]
+        config = Config(**{**saved, "hidden_sizes": tuple(saved["hidden_sizes"])})
+    except Exception as error:
+        raise ValueError(f"--resume {folder}: no checkpoint to resume from ({error})") from None
+    return config, run["points"], (done, leaves, metrics)
+
+
 def read_curves(output: Path, summary: dict) -> dict[str, np.ndarray]:
     """curves.csv as arrays [grid points, seeds, evaluations] (NaN for an empty cell)."""
     with open(output / "curves.csv") as file:
@@ -879,7 +949,8 @@ def plot_run(output: Path) -> Path:
     curves, solved = read_curves(output, summary), summary["environment"]["solved_return"]
     env_id, config = summary["environment"]["id"], summary["config"]
     title = f"DQN on {env_id}: {plural(config['num_seeds'], 'seed')}"
-    title += f" x {config['total_timesteps']:,} steps"
+    done, total = summary.get("steps_done", config["total_timesteps"]), config["total_timesteps"]
+    title += f" x {total:,} steps" if done == total else f" x {done:,} of {total:,} steps (stopped)"
     if "grid" not in summary:
         path = output / "learning_curves.png"
         plot_learning_curves(curves, summary, solved, title, path)
@@ -1134,6 +1205,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--replot", metavar="DIR", help="redraw a saved run's figure; no training")
     overwrite_help = "replace the run in an --output-dir that holds one"
     parser.add_argument("--overwrite", action="store_true", help=overwrite_help)
+    resume_help = "continue the run in DIR from its checkpoint, as it was started"
+    parser.add_argument("--resume", metavar="DIR", help=resume_help)
+    every_help = "also save a checkpoint every STEPS steps, at the end of a block; 0: only when "
+    every_help += "stopped by Ctrl-C or SIGTERM (default: 25000)"
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=25_000, metavar="STEPS", help=every_help
+    )
     cluster = parser.add_argument_group("several processes, one JAX cluster (see README)")
     cluster.add_argument("--coordinator-address", metavar="HOST:PORT", help="process 0's address")
     cluster.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
@@ -1175,50 +1253,106 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
-def run_training(config: Config, grid: HParams, env, network, plan: SeedPlan, env_id: str):
-    """Train every agent (grid point x seed); (their output, padding dropped; timings)."""
-    num_points = len(grid.gamma)
+SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+
+
+class StopRequest:
+    """While training, Ctrl-C or SIGTERM asks to stop: the block in progress ends, the run so far
+    is saved with a checkpoint, and the script exits 130 / 143; a second signal stops at once."""
+
+    def __enter__(self):
+        self.signum = None
+        self.previous = {signum: signal.signal(signum, self.ask) for signum in SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def ask(self, signum, frame):
+        if self.signum is not None:  # the second time: at once, as outside training
+            signal.signal(signum, self.previous[signum])
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+        print(f"dqn_cartpole.py: {SIGNALS[signum]}: stopping after the block in progress, saved "
+              "(again to stop at once)", file=sys.stderr, flush=True)  # fmt: skip
+
+    def asked(self) -> bool:
+        """Whether any process of the run was asked to stop."""
+        asked = np.array([self.signum is not None])
+        return bool(gather(asked).any()) if jax.process_count() > 1 else bool(asked[0])
+
+
+def run_training(config, points, env, network, plan, env_id, output, checkpoint_every, start=None):
+    """Train every agent (grid point x seed), saving a checkpoint every `checkpoint_every` steps
+    (0: never) and when asked to stop -> (output, padding dropped; timings; the signal that
+    stopped the run early, or None)."""
+    grid, num_points = hparam_grid(points), len(points)
     num_agents = num_points * config.num_seeds
     devices = plural(plan.num_devices, jax.devices()[0].platform + " device")
     memory = f"~{plan.bytes_per_seed * plan.seeds_per_batch / 2**20:.0f} MiB per device"
-    points = f"{plural(num_points, 'grid point')} x " if num_points > 1 else ""
+    grid_text = f"{plural(num_points, 'grid point')} x " if num_points > 1 else ""
     print(
-        f"{env_id}: {points}{plural(config.num_seeds, 'seed')} x {config.total_timesteps} steps on "
-        f"{devices}, {plan.seeds_per_batch} at once per device (padded to {plan.padded_seeds}, "
-        f"{memory})"
+        f"{env_id}: {grid_text}{plural(config.num_seeds, 'seed')} x {config.total_timesteps} "
+        f"steps on {devices}, {plan.seeds_per_batch} at once per device (padded to "
+        f"{plan.padded_seeds}, {memory})"
     )
-    progress = Progress(num_agents, config.total_timesteps, plan)
-    train = make_train(config, env, network, progress)
-    out, compile_s, train_s = train_agents(train, config.seed, config.num_seeds, grid, plan)
+    first = saved = 0 if start is None else int(start[2]["step"][0, -1])
+    progress, timings = Progress(num_agents, config.total_timesteps - first, plan), {}
+    with StopRequest() as stop:
+        blocks = train_agents(
+            config, env, network, config.seed, grid, plan, progress, start, timings
+        )
+        for done, carry, metrics in blocks:
+            steps, stopping = int(metrics["step"][0, -1]), stop.asked()
+            stopping &= steps < config.total_timesteps  # asked during the last block: it ended
+            due = checkpoint_every and steps - saved >= checkpoint_every
+            if (stopping or due) and steps < config.total_timesteps:  # an ended run has no use
+                save_checkpoint(output, config, points, done, carry, metrics)
+                saved = steps
+            if stopping:
+                break
     progress.close()
-    speed = num_agents * config.total_timesteps / train_s
-    print(f"compile {compile_s:.1f} s, train {train_s:.1f} s, {speed:,.0f} agent-steps/s")
-    timings = {
+    speed = num_agents * (steps - first) / max(timings["train_time_s"], 1e-9)
+    print(f"compile {timings['compile_time_s']:.1f} s, train {timings['train_time_s']:.1f} s, "
+          f"{speed:,.0f} agent-steps/s")  # fmt: skip
+    timings |= {
         "seeds_padded_to": plan.padded_seeds,
         "seeds_per_batch_per_device": plan.seeds_per_batch,
-        "compile_time_s": compile_s,
-        "train_time_s": train_s,
         "agent_steps_per_s": speed,
     }
-    return jax.tree.map(lambda x: x[:num_agents], out), timings
+    out = {"params": gather(carry.agent.params), "metrics": metrics}
+    return jax.tree.map(lambda x: x[:num_agents], out), timings, stop.signum if stopping else None
 
 
 def parse_command(argv: list[str] | None):
-    """(args, Config, grid points, saved params or None) from the command line. A flag left out
-    takes the Config's default, or with --load the saved run's env and network; a sweep's Config
-    holds its first grid point. ValueError('--flag problem') for a bad input."""
+    """(args, Config, grid points, saved params or None, checkpoint or None) from the command
+    line. A flag left out takes the Config's default, or with --load the saved run's env and
+    network; --resume takes the whole run from its checkpoint; a sweep's Config holds its first
+    grid point. ValueError('--flag problem') for a bad input."""
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:
         raise ValueError(f"unrecognized arguments: {' '.join(unknown)}")
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)}
     given = {name: value for name, value in given.items() if value is not None}
+    if args.checkpoint_every < 0:
+        raise ValueError("--checkpoint-every must be >= 0")
+    if args.resume:  # the run goes on as it was started: no flag may change it
+        others = [flag(name) for name in given] + ["--load"] * bool(args.load)
+        others += [name for name in ("--replot", "--render", "--overwrite") if
+                   getattr(args, name[2:])]  # fmt: skip
+        if others:
+            raise ValueError(f"--resume continues the run as it was started; leave out {others[0]}")
+        config, points, start = load_checkpoint(args.resume)
+        return args, config, points, None, start
     lists = {name: given.pop(name, (value,)) for name, value in hparams_of(Config()).items()}
     points, params = grid_points(lists), None
     if args.load:  # the env and network must match the saved params; the rest is this command's
         saved, params, saved_points = load_run(args.load)
         given = with_run(saved, given, args.load)
         points = saved_points or points[:1]
-    return args, Config(**given, **points[0]), points, params
+    return args, Config(**given, **points[0]), points, params, None
 
 
 def run_folder(template: str, overwrite: bool) -> str:
@@ -1289,7 +1423,7 @@ def replot(folder: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     try:
-        args, config, points, params = parse_command(argv)
+        args, config, points, params, checkpoint = parse_command(argv)
         if args.replot:
             return replot(args.replot)
         join_cluster(args)
@@ -1299,7 +1433,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.render and env_id != "CartPole-v1":
             raise ValueError(f"--render draws CartPole only, not {env_id}")
         name = "cartpole" if config.env == "cartpole" else env_id.lower()
-        if args.load and args.output_dir is None:  # a loaded run's results go into that run
+        if args.resume:  # a resumed run goes on in its own folder
+            output = Path(args.resume)
+        elif args.load and args.output_dir is None:  # a loaded run's results go into that run
             output = Path(args.load)
         else:
             output = Path(run_folder(config.output_dir.replace("{env}", name), args.overwrite))
@@ -1316,7 +1452,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if jax.process_index() == 0:
         output.mkdir(parents=True, exist_ok=True)
-        if output != Path(args.load or ""):  # a loaded run keeps its files
+        if output not in (Path(args.load or ""), Path(args.resume or "")):  # those keep theirs
             clear_folder(output)
         print(f"output {output}/")
     solved = SOLVED_RETURNS.get(env_id) if args.solved_return is None else args.solved_return
@@ -1328,16 +1464,19 @@ def main(argv: list[str] | None = None) -> None:
         keys = jax.random.split(jax.random.key(config.seed), jax.tree.leaves(params)[0].shape[0])
         returns = np.asarray(jax.jit(jax.vmap(lambda k, p: play(k, p).mean()))(keys, params))
         results = [scores(r, solved, config.seed) for r in returns.reshape(len(points), -1)]
-        extra = {}
+        extra, stopped = {}, None
     else:
-        out, extra = run_training(config, hparam_grid(points), env, network, plan, env_id)
+        out, extra, stopped = run_training(
+            config, points, env, network, plan, env_id, output, args.checkpoint_every, checkpoint
+        )
+        extra["steps_done"] = int(out["metrics"]["step"][0, -1])
         params = out["params"]
         curves = out["metrics"]["eval_return"].reshape(len(points), config.num_seeds, -1)
         steps = out["metrics"]["step"][0]  # [evals]
         results = [training_scores(c, steps, solved, config.seed) for c in curves]
         returns = curves[:, :, -1].reshape(-1)
     if jax.process_index() > 0:  # process 0 writes the results of every process
-        return
+        sys.exit(128 + stopped if stopped else 0)
     summary = summarize(config, environment, points, results, **extra)
     summary["wall_time_s"] = time.perf_counter() - start  # up to the training's end
     if args.load:
@@ -1345,6 +1484,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         save_run(output, summary, points, out)
         plot_run(output)
+        if not stopped:  # a finished run needs no checkpoint
+            (output / CHECKPOINT).unlink(missing_ok=True)
     if args.render:
         render_median(config, env, network, params, returns, output / "render.gif")
     name = "load_summary.json" if args.load else "summary.json"
@@ -1352,11 +1493,16 @@ def main(argv: list[str] | None = None) -> None:
     if len(points) == 1:
         scored = score_line(results[0], solved)
         print(f"final greedy return of {plural(len(returns), 'seed')}: {scored}; {wall}")
-        return
-    print("grid points, best first (by solved share, then IQM):")
-    for rank, g in enumerate(ranked(results), start=1):
-        print(f"{rank:>3}. {point_labels(points)[g]}: {score_line(results[g], solved)}")
-    print(wall)
+    else:
+        print("grid points, best first (by solved share, then IQM):")
+        for rank, g in enumerate(ranked(results), start=1):
+            print(f"{rank:>3}. {point_labels(points)[g]}: {score_line(results[g], solved)}")
+        print(wall)
+    if stopped:
+        steps = f"{extra['steps_done']:,} of {config.total_timesteps:,} steps"
+        print(f"dqn_cartpole.py: stopped by {SIGNALS[stopped]} after {steps}, saved in {output}/; "
+              f"to go on: python dqn_cartpole.py --resume {output}", file=sys.stderr)  # fmt: skip
+        sys.exit(128 + stopped)
 
 
 class Stopped(Exception):

@@ -21,6 +21,7 @@ import itertools
 import math
 import os
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 # A CPU is one XLA device by default, and one device runs one thread of this program: showing
@@ -252,24 +253,25 @@ def greedy_path_length(q: jax.Array, env: GridWorld) -> jax.Array:
 
 
 class Schedule(NamedTuple):
-    """How total_timesteps is cut: curve points x blocks x steps (derived from Config)."""
+    """How total_timesteps is cut (derived from Config): curve points of blocks_per_point blocks
+    of block_steps steps, but the last point, which has the blocks and steps that are left."""
 
     num_points: int
     blocks_per_point: int
     block_steps: int
-
-    @property
-    def total_steps(self) -> int:
-        return self.num_points * self.blocks_per_point * self.block_steps
+    last_point_blocks: int
+    last_block_steps: int
 
 
 def make_schedule(config: Config) -> Schedule:
-    """Whole blocks per curve point, at most num_curve_points points; total_timesteps is
-    rounded up to whole blocks and points (by less than one point; main says so)."""
+    """Whole blocks per curve point, at most num_curve_points points, exactly total_timesteps."""
     block_steps = min(config.rng_block_steps, config.total_timesteps)
     num_blocks = math.ceil(config.total_timesteps / block_steps)
-    blocks_per_point = math.ceil(num_blocks / min(config.num_curve_points, num_blocks))
-    return Schedule(math.ceil(num_blocks / blocks_per_point), blocks_per_point, block_steps)
+    per_point = math.ceil(num_blocks / min(config.num_curve_points, num_blocks))
+    num_points = math.ceil(num_blocks / per_point)
+    last_blocks = num_blocks - (num_points - 1) * per_point
+    last_steps = config.total_timesteps - (num_blocks - 1) * block_steps
+    return Schedule(num_points, per_point, block_steps, last_blocks, last_steps)
 
 
 class Curve(NamedTuple):
@@ -320,17 +322,20 @@ def make_train(
             carry = carry._replace(q=q, env_state=env_state, obs=obs)
             return carry._replace(episodes=carry.episodes + terminated), None
 
-        def run_block(carry: Carry, _) -> tuple[Carry, None]:
+        def run_block(steps: int, carry: Carry, _) -> tuple[Carry, None]:
             key, block_key = jax.random.split(carry.key)
             # All randomness of the block at once: splitting a key per step costs more than
             # the Q-learning itself. No unroll: unrolling this scan was slower on CPU
             # (measured: see README).
-            bits = jax.random.bits(block_key, (schedule.block_steps,), jnp.uint32)
+            bits = jax.random.bits(block_key, (steps,), jnp.uint32)
             carry, _ = lax.scan(agent_step, carry._replace(key=key), bits)
             return carry, None
 
-        def run_interval(carry: Carry, point: jax.Array) -> tuple[Carry, Curve]:
-            carry, _ = lax.scan(run_block, carry, length=schedule.blocks_per_point)
+        def run_interval(blocks: int, last_steps: int, carry: Carry, point) -> tuple[Carry, Curve]:
+            """`blocks` blocks, the last one of `last_steps` steps, then a curve point."""
+            whole_blocks = partial(run_block, schedule.block_steps)
+            carry, _ = lax.scan(whole_blocks, carry, length=blocks - 1)
+            carry, _ = run_block(last_steps, carry, None)
             curve = Curve(
                 episodes=carry.episodes,
                 greedy_path_length=greedy_path_length(carry.q, env),
@@ -348,7 +353,11 @@ def make_train(
             episodes=jnp.int32(0),
             key=rng,
         )
-        carry, curve = lax.scan(run_interval, carry, jnp.arange(schedule.num_points))
+        whole_points = partial(run_interval, schedule.blocks_per_point, schedule.block_steps)
+        carry, curve = lax.scan(whole_points, carry, jnp.arange(schedule.num_points - 1))
+        last = (schedule.last_point_blocks, schedule.last_block_steps)
+        carry, last_point = run_interval(*last, carry, schedule.num_points - 1)
+        curve = jax.tree.map(lambda c, p: jnp.concatenate([c, p[None]]), curve, last_point)
         return TrainResult(carry.q.reshape(env.rows, env.cols, NUM_ACTIONS), curve)
 
     return train
@@ -398,7 +407,6 @@ import signal
 import socket
 import sys
 import time
-from functools import partial
 from importlib import metadata
 from pathlib import Path
 
@@ -575,7 +583,8 @@ def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
         if call % max(1, total_calls // 10) == 0 or call == total_calls:
             seconds = time.perf_counter() - clock["start"]
             done = call / total_calls
-            rate, eta = num_agents * schedule.total_steps * done / seconds, seconds / done - seconds
+            rate = num_agents * config.total_timesteps * done / seconds
+            eta = seconds / done - seconds
             # Plain lines, no carriage return: they read the same in a terminal and a log file.
             print(f"  {done:4.0%}  train {seconds:6.2f} s  {rate / 1e6:.1f}M agent-steps/s  "
                   f"ETA {eta:.1f} s\n", end="", flush=True)  # fmt: skip
@@ -682,9 +691,11 @@ def save_run(output: Path, summary: dict, config: Config, result: TrainResult) -
     with atomic_open(output / "summary.json") as file:
         json.dump(summary, file, indent=2, allow_nan=False)  # strict JSON: no NaN in it
     grid = np.array(grid_points(config))[:, None, None, :]  # [grid, 1, 1, gamma lr epsilon]
-    seeds, points = np.arange(config.num_seeds)[:, None], np.arange(result.curve.episodes.shape[-1])
+    schedule, seeds = make_schedule(config), np.arange(config.num_seeds)[:, None]
+    point_steps = schedule.blocks_per_point * schedule.block_steps
+    steps = np.minimum(np.arange(1, schedule.num_points + 1) * point_steps, config.total_timesteps)
     columns = {"learning_rate": grid[..., 1], "epsilon": grid[..., 2], "gamma": grid[..., 0]}
-    columns |= {"seed": seeds, "step": (points + 1) * summary["steps_per_agent"] // len(points)}
+    columns |= {"seed": seeds, "step": steps}
     columns |= result.curve._asdict()  # [grid, seeds, points] each
     values = [np.ravel(c).tolist() for c in np.broadcast_arrays(*columns.values())]
     with atomic_open(output / "curves.csv") as file:
@@ -981,14 +992,12 @@ def main(argv: list[str] | None = None) -> None:
             f"note: {schedule.num_points} curve points, not {config.num_curve_points}: "
             "each point of --num-curve-points is a whole number of --rng-block-steps blocks"
         )
-    if schedule.total_steps != config.total_timesteps:
-        print(f"note: --total-timesteps rounded up to {schedule.total_steps} (whole blocks)")
 
     result, timings = run_sweep(config, env, schedule, mesh, chunks)
-    rate = num_agents * schedule.total_steps / timings["train_time_s"]
+    rate = num_agents * config.total_timesteps / timings["train_time_s"]
     print(
         f"compile {timings['compile_time_s']:.1f} s, train {timings['train_time_s']:.2f} s: "
-        f"{rate / 1e6:.1f}M agent-steps/s ({schedule.total_steps} steps per agent)"
+        f"{rate / 1e6:.1f}M agent-steps/s ({config.total_timesteps} steps per agent)"
     )
     rows = summarize_grid(config, env, result)
     print("optimal: share of seeds whose final greedy path from S is a shortest path; path: its")
@@ -1011,7 +1020,7 @@ def main(argv: list[str] | None = None) -> None:
         "devices": [f"{d.platform}:{d.id} {d.device_kind}" for d in jax.devices()],
         "num_agents": num_agents,
         "chunks_per_device": chunks,  # run one after another, each a make_sweep call
-        "steps_per_agent": schedule.total_steps,
+        "steps_per_agent": config.total_timesteps,
         **timings,
         "agent_steps_per_s": rate,
         "wall_time_s": time.perf_counter() - start,  # the whole command, but the writes

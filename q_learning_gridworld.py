@@ -62,6 +62,8 @@ class Config:
         parse_layout(self.layout)  # raises ValueError with a one-line reason
         for name, valid, rule in (
             ("total_timesteps", self.total_timesteps >= 1, "at least 1"),
+            # The step and episode counters are int32, jax's default.
+            ("total_timesteps", self.total_timesteps < 2**31, "below 2^31"),
             ("num_seeds", self.num_seeds >= 1, "at least 1"),
             ("steps_per_block", self.steps_per_block >= 1, "at least 1"),
             ("num_curve_points", self.num_curve_points >= 1, "at least 1"),
@@ -76,11 +78,6 @@ class Config:
             if not valid:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be {rule} (got {getattr(self, name)})")
-        if self.total_timesteps % self.steps_per_block:
-            raise ValueError(
-                f"--total-timesteps ({self.total_timesteps}) must be a multiple of "
-                f"--steps-per-block ({self.steps_per_block})"
-            )
 
 
 # ----- Environment ------------------------------------------------------------------------
@@ -257,12 +254,15 @@ class BlockCarry(NamedTuple):
 def make_train(config: Config, env: GridWorld | None = None):
     """-> train(rng) -> {"q_values", "metrics"}. Pass `env` where it is built already."""
     env = env or GridWorld(config.layout, config.max_episode_steps)
-    num_blocks = config.total_timesteps // config.steps_per_block
+    # Whole blocks, then the rest of total_timesteps in one shorter block.
+    full_blocks, rest = divmod(config.total_timesteps, config.steps_per_block)
+    num_blocks = full_blocks + (rest > 0)
     # The curve has a fixed number of points (fewer only when there are fewer blocks), so the
     # memory for metrics does not grow with total_timesteps.
     num_points = min(config.num_curve_points, num_blocks)
     point_of_block = (np.arange(num_blocks) * num_points // num_blocks).astype(np.int32)
     blocks_done = np.searchsorted(point_of_block, np.arange(num_points), "right")  # [num_points]
+    steps_done = np.minimum(blocks_done * config.steps_per_block, config.total_timesteps)
     threshold = explore_threshold(config.epsilon)
 
     def agent_env_step(carry: StepCarry, bits: jax.Array) -> tuple[StepCarry, None]:
@@ -289,10 +289,10 @@ def make_train(config: Config, env: GridWorld | None = None):
             episode_lengths=carry.episode_lengths.at[record_at].set(length, mode="drop"),
         ), None
 
-    def run_block(carry: BlockCarry, point: jax.Array) -> tuple[BlockCarry, None]:
-        """steps_per_block steps, their randomness drawn in one call, their stats to `point`."""
+    def run_block(steps: int, carry: BlockCarry, point: jax.Array) -> tuple[BlockCarry, None]:
+        """`steps` steps, their randomness drawn in one call, their stats to curve `point`."""
         rng, block_rng = jax.random.split(carry.rng)
-        bits = jax.random.bits(block_rng, (config.steps_per_block,), jnp.uint32)  # [steps]
+        bits = jax.random.bits(block_rng, (steps,), jnp.uint32)  # [steps]
         before = carry.step._replace(reward_sum=jnp.float32(0.0))
         # unroll=1 on purpose: unrolling this scan made it slower on CPU (measured: see README).
         after, _ = jax.lax.scan(agent_env_step, before, bits)
@@ -302,7 +302,7 @@ def make_train(config: Config, env: GridWorld | None = None):
         # block's rewards are exactly the returns of the episodes that ended in it.
         stats = EpisodeStats(
             episodes=after.episodes - before.episodes,
-            length_sum=config.steps_per_block + before.env_state.time - after.env_state.time,
+            length_sum=steps + before.env_state.time - after.env_state.time,
             return_sum=after.reward_sum,
         )
         curve = jax.tree.map(lambda c, s: c.at[point].add(s), carry.curve, stats)
@@ -324,7 +324,10 @@ def make_train(config: Config, env: GridWorld | None = None):
             return_sum=jnp.zeros(num_points, jnp.float32),
         )
         carry = BlockCarry(step=step, curve=curve, rng=rng)
-        carry, _ = jax.lax.scan(run_block, carry, point_of_block)
+        blocks = functools.partial(run_block, config.steps_per_block)
+        carry, _ = jax.lax.scan(blocks, carry, point_of_block[:full_blocks])
+        if rest:
+            carry, _ = run_block(rest, carry, point_of_block[-1])
         curve = carry.curve  # [num_points] each
         ended = jnp.maximum(curve.episodes, 1)  # no 0/0: the mean is NaN where none ended
         return {
@@ -334,7 +337,7 @@ def make_train(config: Config, env: GridWorld | None = None):
                 "episode_length": carry.step.episode_lengths,
                 # [num_points] each, whatever the run length: steps done at each point, and
                 # the episodes that ended in its stretch of training
-                "timestep": jnp.asarray(blocks_done * config.steps_per_block, jnp.int32),
+                "timestep": jnp.asarray(steps_done, jnp.int32),
                 "episodes": curve.episodes,
                 "mean_episode_length": jnp.where(
                     curve.episodes > 0, curve.length_sum / ended, jnp.nan
@@ -768,7 +771,7 @@ def main(argv: list[str] | None = None) -> None:
         return print(f"redrew {plot_run(config)} from the files saved there (no training)")
     env = GridWorld(config.layout, config.max_episode_steps)
     check_memory(config, env)
-    num_blocks = config.total_timesteps // config.steps_per_block
+    num_blocks = -(-config.total_timesteps // config.steps_per_block)
     if config.num_curve_points > num_blocks:  # a curve point is made of whole blocks
         print(
             f"note: {num_blocks} curve points, not {config.num_curve_points}: --num-curve-points "

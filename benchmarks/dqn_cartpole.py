@@ -56,11 +56,13 @@ def train_ours(timesteps: int, num_agents: int) -> None:
     network = dqn.QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
     plan = dqn.plan_seeds(num_agents, dqn.bytes_per_seed(config, env, network))
     grid = dqn.hparam_grid([dqn.hparams_of(config)])
-    train = dqn.make_train(config, env, network)
-    _, compile_s, train_s = dqn.train_agents(train, 0, num_agents, grid, plan)
+    timings = {}
+    for _ in dqn.train_agents(config, env, network, 0, grid, plan, timings=timings):
+        pass  # one evaluation block: one compiled call
+    train_s = timings["train_time_s"]
     print(
         f"ours steps_per_s={timesteps * num_agents / train_s:.0f} devices={plan.num_devices} "
-        f"compile_s={compile_s:.1f} seconds={train_s:.3f}"
+        f"compile_s={timings['compile_time_s']:.1f} seconds={train_s:.3f}"
     )
 
 

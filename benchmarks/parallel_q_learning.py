@@ -106,7 +106,7 @@ def sweep_point(args, env, agents: int, mesh, chunked: bool) -> Point:
     keys = pq.make_seed_keys(0, agents, mesh, chunks)
     method = CHUNKED if chunked else ALL_AT_ONCE
     inputs = (keys, pq.hparam_grid(config))
-    return compiled_point(method, mesh.size, agents, schedule.total_steps, sweep, inputs)
+    return compiled_point(method, mesh.size, agents, config.total_timesteps, sweep, inputs)
 
 
 def run_article(timesteps: int, agents: int) -> float:

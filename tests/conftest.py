@@ -1,12 +1,21 @@
 """Shared test setup: make the CPU look like two JAX devices before jax is imported,
 so the sharding code paths (seeds split over devices) run in every test session."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One compilation cache for the session and the scripts its tests launch: many tests compile
+# the same small programs again (a run, then its --load or --resume, two processes of a
+# cluster), and compiling is most of the suite's time. Fresh each session.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_cache_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 
 # The scripts live at the repository root, not in a package.
 ROOT = Path(__file__).resolve().parent.parent

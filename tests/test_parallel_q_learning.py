@@ -143,6 +143,20 @@ def test_cache_sized_chunks_on_cpu():
     assert pq.chunks_per_device(config, env, mesh) == 3
 
 
+@pytest.mark.parametrize("total", [1, 99, 100, 2_345, 100_000, 123_457])
+def test_the_schedule_runs_exactly_total_timesteps(total):
+    """Whole points of whole blocks, then a last point with the blocks and steps left over."""
+    for points in (3, 50):
+        config = pq.Config(total_timesteps=total, rng_block_steps=100, num_curve_points=points)
+        s = pq.make_schedule(config)
+        whole = (s.num_points - 1) * s.blocks_per_point * s.block_steps
+        assert whole + (s.last_point_blocks - 1) * s.block_steps + s.last_block_steps == total
+        assert 1 <= s.num_points <= points and 1 <= s.last_point_blocks <= s.blocks_per_point
+        assert 1 <= s.last_block_steps <= s.block_steps
+    curve = jax.eval_shape(pq.make_train(config), jax.random.key(0), pq.HParams(0.1, 0.1, 0.9))
+    assert curve.curve.episodes.shape == (s.num_points,)
+
+
 def test_memory_does_not_grow_with_total_timesteps():
     key, hparams = jax.random.key(0), pq.HParams(0.1, 0.1, 0.9)
     shapes = [

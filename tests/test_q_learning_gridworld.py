@@ -359,6 +359,15 @@ def test_curve_points_are_bounded_whatever_the_run_length():
     assert jax.eval_shape(few_blocks, jax.random.key(0))["metrics"]["episodes"].shape == (3,)
 
 
+def test_any_step_count_runs_exactly_that_many_steps():
+    """2,345 steps in blocks of 1,000: two whole blocks and one of 345. With a time limit of one
+    step every step ends an episode, so the episodes count the steps."""
+    config = qlg.Config(total_timesteps=2_345, steps_per_block=1_000, max_episode_steps=1)
+    metrics = jax.jit(qlg.make_train(config))(jax.random.key(0))["metrics"]
+    np.testing.assert_array_equal(metrics["timestep"], [1_000, 2_000, 2_345])
+    np.testing.assert_array_equal(metrics["episodes"], [1_000, 1_000, 345])
+
+
 # ------------------------------------------------------------------------------------------
 # Optimality against value iteration, with the default hyperparameters
 # ------------------------------------------------------------------------------------------
@@ -477,7 +486,7 @@ BAD_FLAGS = [
     (["--num-curve-points", "0"], "--num-curve-points"),
     (["--num-recorded-episodes", "0"], "--num-recorded-episodes"),
     (["--max-episode-steps", "-1"], "--max-episode-steps"),
-    (["--total-timesteps", "1500", "--steps-per-block", "1000"], "multiple"),
+    (["--total-timesteps", str(2**31)], "--total-timesteps"),  # step counters are int32
     (["--epsilon", "-0.1"], "--epsilon"),
     (["--epsilon", "1.5"], "--epsilon"),
     (["--gamma", "1.0"], "--gamma"),
@@ -491,7 +500,7 @@ BAD_FLAGS = [
     (["--num-seeds", str(10**12)], "--num-seeds"),  # cannot fit in memory: refused up front
     # One seed too many: the line names the flag that drives the memory, not --num-seeds.
     (["--num-recorded-episodes", str(10**8)], "--num-recorded-episodes"),
-    (["--total-timesteps", "4000000000", "--steps-per-block", "2000000000"], "--steps-per-block"),
+    (["--total-timesteps", "2000000000", "--steps-per-block", "2000000000"], "--steps-per-block"),
 ]
 
 
