@@ -310,14 +310,12 @@ class Carry(NamedTuple):
     key: jax.Array
 
 
-def make_blocks(config: Config, env, network: QNetwork, progress_callback=None):
+def make_blocks(config: Config, env, network: QNetwork):
     """(init, run_blocks), the two parts of train: init(key, hp) -> (Carry, metrics [1] of the
     untrained network); run_blocks(carry, hp, blocks [n], steps) -> (Carry, metrics [n]), each
     block `steps` environment steps (an update every train_frequency) and a greedy evaluation."""
     num_eval, nan = config.eval_episodes, jnp.float32(jnp.nan)
     num_updates = (config.total_timesteps - config.learning_starts) // config.train_frequency
-    # Report progress ~200 times: often enough for a smooth ETA, rare enough to be free.
-    report_every = max(1, config.total_timesteps // 200)
 
     def make_optimizer(hp: HParams):
         lr = hp.learning_rate
@@ -368,9 +366,6 @@ def make_blocks(config: Config, env, network: QNetwork, progress_callback=None):
             lambda a: a.target_params,
             agent,
         )
-        if progress_callback is not None:  # progress_callback(steps): `steps` more were done
-            report = partial(jax.debug.callback, progress_callback, report_every)
-            jax.lax.cond((t + 1) % report_every == 0, report, lambda: None)
 
         episode_return = carry.episode_return + reward
         done = terminated | truncated
@@ -429,7 +424,7 @@ def make_blocks(config: Config, env, network: QNetwork, progress_callback=None):
     return init, run_blocks
 
 
-def make_train(config: Config, env=None, network=None, progress_callback=None):
+def make_train(config: Config, env=None, network=None):
     """Returns train(key, hparams=None) -> {"params", "metrics"}: one seed's whole experiment
     (the Config's hyperparameters if hparams is None): init, then the blocks of eval_every
     steps, each ending in a greedy evaluation (the last one shorter if eval_every does not
@@ -437,7 +432,7 @@ def make_train(config: Config, env=None, network=None, progress_callback=None):
     env = CartPole() if env is None else env
     if network is None:
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
-    init, run_blocks = make_blocks(config, env, network, progress_callback)
+    init, run_blocks = make_blocks(config, env, network)
 
     def train(key: jax.Array, hparams: HParams | None = None) -> dict:
         hp = HParams(*(getattr(config, n) for n in HParams._fields)) if hparams is None else hparams
@@ -462,7 +457,6 @@ import platform
 import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -643,7 +637,7 @@ def plan_seeds(num_agents: int, need: int, memory_fraction=0.5, platform=None) -
 
 
 def train_agents(config: Config, env, network, seed: int, grid: HParams, plan: SeedPlan,
-                 progress=None, start=None, timings=None):  # fmt: skip
+                 start=None, timings=None):  # fmt: skip
     """Trains every agent (grid point x seed) with the reference's init and run_blocks, one
     evaluation block at a time, sharded over every device; after each block, yields (blocks
     done, carry, metrics so far), so that the caller can save the run or stop it. `start`, such
@@ -653,7 +647,7 @@ def train_agents(config: Config, env, network, seed: int, grid: HParams, plan: S
     `timings`, a dict if given, gets the compile and training seconds."""
     timings = {} if timings is None else timings
     mesh, spec = Mesh(np.array(jax.devices()), ("seeds",)), PartitionSpec("seeds")
-    init, run_blocks = make_blocks(config, env, network, progress)
+    init, run_blocks = make_blocks(config, env, network)
 
     @partial(jax.jit, out_shardings=NamedSharding(mesh, spec))  # made straight into their shards
     def make_inputs(grid: HParams):
@@ -721,45 +715,34 @@ def gather(out):
 
 
 class Progress:
-    """Progress of all agents, fed by `jax.debug.callback` from inside the compiled loop: a tqdm
-    bar in a terminal, else a plain line every 10% (a log file gets no carriage returns). Each
-    device calls it for its batch of agents, once per report (the step count is the same for
-    every agent of a batch), so a call stands for `steps` steps of one batch."""
+    """The training's progress after each block: a tqdm bar in a terminal, else a plain line
+    every 10% (a log file gets no carriage returns). Process 0 speaks for the cluster."""
 
-    def __init__(self, num_agents: int, total_timesteps: int, plan: SeedPlan, terminal=None):
-        # Padding agents are not counted; in a cluster, this process's devices only.
-        self.agents_per_call = plan.seeds_per_batch * num_agents / plan.padded_seeds
-        share = jax.local_device_count() / jax.device_count()
-        self.total, self.done, self.next_line = num_agents * total_timesteps * share, 0.0, 0.1
-        self.terminal = sys.stderr.isatty() if terminal is None else terminal
-        self.quiet = jax.process_index() > 0  # process 0 speaks for the cluster
-        self.lock, self.start, self.bar = threading.Lock(), None, None
+    def __init__(self, num_agents: int, first: int, total: int, terminal=None):
+        self.agents, self.first, self.total, self.next_line, self.bar = (
+            num_agents,
+            first,
+            total,
+            0,
+            None,
+        )
+        if jax.process_index() == 0 and (sys.stderr.isatty() if terminal is None else terminal):
+            self.bar = tqdm(total=total, initial=first, unit="steps", file=sys.stderr)
 
-    def __call__(self, steps) -> None:
-        if self.quiet:
-            return
-        with self.lock:  # devices call from their own threads
-            if self.start is None:  # the first report: the rate and ETA leave compiling out
-                self.start = time.perf_counter()
-                if self.terminal:
-                    unit = {"unit": "agent-steps", "unit_scale": True}
-                    self.bar = tqdm(total=self.total, **unit, file=sys.stderr)
-            step = int(steps) * self.agents_per_call
-            self.done += step
-            if self.bar is not None:
-                self.bar.update(step)
-            elif self.done >= self.next_line * self.total:
-                self.next_line = math.floor(10 * self.done / self.total + 1) / 10
-                seconds = time.perf_counter() - self.start
-                rate = max(self.done - step, 1) / max(seconds, 1e-9)  # the first call: no time
-                eta = (self.total - self.done) / rate
-                done = min(self.done / self.total, 1.0)
-                print(f"  {done:4.0%}  train {seconds:6.1f} s  {rate:,.0f} agent-steps/s  "
-                      f"ETA {eta:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+    def __call__(self, steps: int, seconds: float) -> None:
+        """`steps` of every agent done, in `seconds` of training."""
+        done = steps / self.total
+        if self.bar is not None:
+            self.bar.update(steps - self.bar.n)
+        elif jax.process_index() == 0 and done >= self.next_line:
+            self.next_line = math.floor(10 * done + 1) / 10
+            rate = self.agents * (steps - self.first) / max(seconds, 1e-9)
+            eta = self.agents * (self.total - steps) / rate
+            print(f"  {done:4.0%}  train {seconds:6.1f} s  {rate:,.0f} agent-steps/s  "
+                  f"ETA {eta:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
 
     def close(self) -> None:
         if self.bar is not None:
-            self.bar.update(self.total - self.bar.n)
             self.bar.close()
 
 
@@ -1299,13 +1282,12 @@ def run_training(config, points, env, network, plan, env_id, output, checkpoint_
         f"{plan.padded_seeds}, {memory})"
     )
     first = saved = 0 if start is None else int(start[2]["step"][0, -1])
-    progress, timings = Progress(num_agents, config.total_timesteps - first, plan), {}
+    progress, timings = Progress(num_agents, first, config.total_timesteps), {}
     with StopRequest() as stop:
-        blocks = train_agents(
-            config, env, network, config.seed, grid, plan, progress, start, timings
-        )
+        blocks = train_agents(config, env, network, config.seed, grid, plan, start, timings)
         for done, carry, metrics in blocks:
             steps, stopping = int(metrics["step"][0, -1]), stop.asked()
+            progress(steps, timings["train_time_s"])
             stopping &= steps < config.total_timesteps  # asked during the last block: it ended
             due = checkpoint_every and steps - saved >= checkpoint_every
             if (stopping or due) and steps < config.total_timesteps:  # an ended run has no use
