@@ -450,14 +450,17 @@ def make_train(config: Config, env=None, network=None):
 import argparse
 import contextlib
 import csv
+import ctypes
 import importlib.metadata
 import itertools
 import json
 import platform
 import signal
 import socket
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import flax
@@ -670,14 +673,22 @@ def train_agents(config: Config, env, network, seed: int, grid: HParams, plan: S
 
     keys, hparams = make_inputs(grid)
     clock, init_all = time.perf_counter(), on_devices(init, (spec, spec))
+    shapes = jax.eval_shape(init_all, keys, hparams)[0]  # every agent's carry
+    done = 0 if start is None else start[0]
+    blocks = [(b, steps) for first, n, steps in config.blocks for b in range(first, first + n)]
+    programs = {"init": init_all.lower(keys, hparams)} if start is None else {}
+    for steps in {steps for _, steps in blocks[done:]}:  # a shorter last block: another shape
+        run = on_devices(partial(run_blocks, steps=steps), (spec, spec, PartitionSpec()))
+        programs[steps] = run.lower(shapes, hparams, np.zeros(1, np.int32))
+    with ThreadPoolExecutor() as pool:  # compiled side by side: XLA lets go of the GIL
+        run = dict(zip(programs, pool.map(lambda p: p.compile(), programs.values()), strict=True))
     if start is None:
-        carry, metrics = init_all(keys, hparams)
-        done, metrics = 0, gather(metrics)
+        carry, metrics = run["init"](keys, hparams)
+        metrics = gather(metrics)
     else:  # a checkpoint's agents, padded anew (repeating the last real one) for this layout
-        done, leaves, metrics = start
+        _, leaves, metrics = start
         real = len(grid.gamma) * config.num_seeds
         agent = np.minimum(np.arange(plan.padded_seeds), real - 1)
-        shapes = jax.eval_shape(init_all, keys, hparams)[0]
         shapes = shapes._replace(key=jax.eval_shape(jax.random.key_data, shapes.key))
         if [x.shape[1:] for x in leaves] != [x.shape[1:] for x in jax.tree.leaves(shapes)]:
             sys.exit("dqn_cartpole.py: error: --resume: the checkpoint does not fit its own config")
@@ -687,13 +698,6 @@ def train_agents(config: Config, env, network, seed: int, grid: HParams, plan: S
         carry = jax.tree.unflatten(jax.tree.structure(shapes), leaves)
         carry = carry._replace(key=jax.random.wrap_key_data(carry.key))
         metrics = {name: x[agent] for name, x in metrics.items()}
-    blocks = [(b, steps) for first, n, steps in config.blocks for b in range(first, first + n)]
-    run = {  # one compiled program per block length (a shorter last block is another shape)
-        steps: on_devices(partial(run_blocks, steps=steps), (spec, spec, PartitionSpec()))
-        .lower(carry, hparams, np.zeros(1, np.int32))
-        .compile()
-        for steps in {steps for _, steps in blocks[done:]}
-    }
     timings.update(compile_time_s=time.perf_counter() - clock, train_time_s=0.0)
     for block, steps in blocks[done:]:
         clock = time.perf_counter()
@@ -709,7 +713,7 @@ def gather(out):
     process that died is one line here, not a hang (JAX recovers, see join_cluster)."""
     try:
         return multihost_utils.process_allgather(out, tiled=True)
-    except jax.errors.JaxRuntimeError as error:
+    except (jax.errors.JaxRuntimeError, ValueError) as error:  # gloo raises the latter
         reason = str(error).splitlines()[0][:160]
         sys.exit(f"dqn_cartpole.py: error: another process of the cluster stopped ({reason})")
 
@@ -1086,6 +1090,8 @@ def check_coordinator(address: str, process_id: int, timeout: float) -> None:
         raise ValueError(f"--coordinator-address {address!r}: expected HOST:PORT")
     if process_id == 0:
         with socket.socket() as probe:
+            # As the coordinator will: a port that a run just ended on (TIME_WAIT) is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(("", int(port)))
             except OSError as error:
@@ -1495,7 +1501,49 @@ def stop(signum, frame):
     raise Stopped
 
 
+def rank(argv: list[str]) -> int:
+    """This process's place in a cluster (0 alone): --process-id, or a SLURM / Open MPI rank."""
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--process-id")
+    ranks = [os.environ.get(name) for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK")]
+    given = [flags.parse_known_args(argv)[0].process_id, *ranks]
+    rank = next((r for r in given if r is not None), "0")
+    return int(rank) if rank.isdigit() else 0  # a bad --process-id: main says so, in one line
+
+
+def die_with_parent() -> None:
+    """Run in the child before it starts: Linux ends it when its watcher is killed."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def watch(argv: list[str]) -> int:
+    """Processes other than 0 of a cluster do their work in a child process and watch it: JAX
+    ends a process whose coordinator, process 0, has died with an abort and a C++ stack trace,
+    which this turns into one line. The child's stderr (it reports errors only) waits for its
+    end; SIGTERM is passed on, and Ctrl-C reaches it from the terminal as it reaches us."""
+    child = subprocess.Popen(
+        [sys.executable, __file__, *argv],
+        env={**os.environ, "DQN_CARTPOLE_WATCHED": "1"},
+        stderr=subprocess.PIPE,
+        preexec_fn=die_with_parent,
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
+    errors = child.communicate()[1]
+    if child.returncode == -signal.SIGABRT:
+        print(
+            "dqn_cartpole.py: error: process 0 of the cluster stopped; so does this one",
+            file=sys.stderr,
+        )
+        return 1
+    sys.stderr.buffer.write(errors)
+    return child.returncode if child.returncode >= 0 else 128 - child.returncode
+
+
 if __name__ == "__main__":
+    if "DQN_CARTPOLE_WATCHED" not in os.environ and rank(sys.argv[1:]) > 0:
+        sys.exit(watch(sys.argv[1:]))
     signal.signal(signal.SIGTERM, stop)
     try:
         main()

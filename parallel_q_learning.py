@@ -401,10 +401,12 @@ def make_sweep(train: Callable) -> Callable:
 import argparse
 import contextlib
 import csv
+import ctypes
 import json
 import platform
 import signal
 import socket
+import subprocess
 import sys
 import time
 from importlib import metadata
@@ -604,7 +606,7 @@ def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
     }
     try:  # every agent's result on every process, also the shards other processes computed
         result = multihost_utils.process_allgather(result, tiled=True)
-    except jax.errors.JaxRuntimeError as error:  # a process died: one line, not a hang
+    except (jax.errors.JaxRuntimeError, ValueError) as error:  # a process died: one line
         fail(f"another process of the cluster stopped ({str(error).splitlines()[0][:160]})", 1)
     return jax.tree.map(lambda x: np.asarray(x)[:, : config.num_seeds], result), timings
 
@@ -909,6 +911,8 @@ def check_coordinator(address: str, process_id: int, timeout: float) -> None:
         fail(f"--coordinator-address {address!r}: expected HOST:PORT")
     if process_id == 0:
         with socket.socket() as probe:
+            # As the coordinator will: a port that a run just ended on (TIME_WAIT) is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(("", int(port)))
             except OSError as error:
@@ -1044,7 +1048,49 @@ def stop(signum, frame):
     raise Stopped
 
 
+def rank(argv: list[str]) -> int:
+    """This process's place in a cluster (0 alone): --process-id, or a SLURM / Open MPI rank."""
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--process-id")
+    ranks = [os.environ.get(name) for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK")]
+    given = [flags.parse_known_args(argv)[0].process_id, *ranks]
+    rank = next((r for r in given if r is not None), "0")
+    return int(rank) if rank.isdigit() else 0  # a bad --process-id: main says so, in one line
+
+
+def die_with_parent() -> None:
+    """Run in the child before it starts: Linux ends it when its watcher is killed."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def watch(argv: list[str]) -> int:
+    """Processes other than 0 of a cluster do their work in a child process and watch it: JAX
+    ends a process whose coordinator, process 0, has died with an abort and a C++ stack trace,
+    which this turns into one line. The child's stderr (it reports errors only) waits for its
+    end; SIGTERM is passed on, and Ctrl-C reaches it from the terminal as it reaches us."""
+    child = subprocess.Popen(
+        [sys.executable, __file__, *argv],
+        env={**os.environ, "PARALLEL_Q_LEARNING_WATCHED": "1"},
+        stderr=subprocess.PIPE,
+        preexec_fn=die_with_parent,
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
+    errors = child.communicate()[1]
+    if child.returncode == -signal.SIGABRT:
+        print(
+            "parallel_q_learning.py: error: process 0 of the cluster stopped; so does this one",
+            file=sys.stderr,
+        )
+        return 1
+    sys.stderr.buffer.write(errors)
+    return child.returncode if child.returncode >= 0 else 128 - child.returncode
+
+
 if __name__ == "__main__":
+    if "PARALLEL_Q_LEARNING_WATCHED" not in os.environ and rank(sys.argv[1:]) > 0:
+        sys.exit(watch(sys.argv[1:]))
     signal.signal(signal.SIGTERM, stop)
     try:
         main()

@@ -476,16 +476,18 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
-    """Two processes on 127.0.0.1, one CPU device each, form one JAX cluster: the seeds are
-    sharded over both, only process 0 writes, both exit 0, and every agent is bit for bit the
-    one a single process with two devices trains."""
-    dqn.main([*TINY_ARGS, "--output-dir", str(tmp_path / "single")])
+# Long enough for a process to be killed mid-training: 40 blocks.
+CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "20000"]
+
+
+def launch_cluster(tmp_path, argv: list[str]) -> list[subprocess.Popen]:
+    """Processes 0 and 1 of a cluster on 127.0.0.1, one CPU device each, writing to
+    tmp_path/process<i>."""
     cluster = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    processes = [
+    return [
         subprocess.Popen(
-            [sys.executable, "dqn_cartpole.py", *TINY_ARGS, *cluster, "--process-id", str(i)]
+            [sys.executable, "dqn_cartpole.py", *argv, *cluster, "--process-id", str(i)]
             + ["--output-dir", str(tmp_path / f"process{i}")],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -495,6 +497,14 @@ def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
         )
         for i in range(2)
     ]
+
+
+def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
+    """Two processes on 127.0.0.1, one CPU device each, form one JAX cluster: the seeds are
+    sharded over both, only process 0 writes, both exit 0, and every agent is bit for bit the
+    one a single process with two devices trains."""
+    dqn.main([*CLUSTER_ARGS, "--output-dir", str(tmp_path / "single")])
+    processes = launch_cluster(tmp_path, CLUSTER_ARGS)
     results = [process.communicate(timeout=300) for process in processes]
     assert [process.returncode for process in processes] == [0, 0], results
     assert "2 cpu devices" in results[0][0] and "final greedy return" not in results[1][0]
@@ -502,6 +512,26 @@ def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
     for name in ("params.msgpack", "curves.csv"):
         single = (tmp_path / "single" / name).read_bytes()
         assert (tmp_path / "process0" / name).read_bytes() == single, name
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_process_that_dies_stops_the_other_with_one_line(tmp_path, victim):
+    """kill -9 of one process of a cluster, mid-training: the other stops within moments, its
+    last line on stderr says why, exit 1, no traceback, nothing written. Process 1 gone: process
+    0 learns it at the next gather. Process 0 gone takes the coordinator with it, which JAX
+    answers with an abort and a C++ stack trace in process 1; its watcher makes that one line."""
+    processes = launch_cluster(tmp_path, CLUSTER_ARGS)
+    for line in processes[0].stderr:  # progress lines: training runs
+        if "%" in line:
+            break
+    processes[victim].kill()
+    survivor = processes[1 - victim]
+    _, err = survivor.communicate(timeout=120)
+    processes[victim].wait()
+    last = err.strip().splitlines()[-1]
+    assert survivor.returncode == 1 and "Traceback" not in err, err
+    assert last.startswith("dqn_cartpole.py: error:") and "process" in last, err
+    assert not (tmp_path / "process0" / "summary.json").exists()
 
 
 @pytest.mark.parametrize(
