@@ -414,10 +414,7 @@ def make_blocks(config: Config, env, network: QNetwork):
             key=key,
         )
         # The curves start at step 0, with the untrained network, on a key outside the chain.
-        eval_key, eval_params = jax.lax.optimization_barrier(
-            (jax.random.fold_in(init_key, 1), params)
-        )
-        returns = greedy_episodes(eval_key, eval_params, env, network, num_eval)
+        returns = greedy_episodes(jax.random.fold_in(init_key, 1), params, env, network, num_eval)
         start = {"step": 0, "eval_return": returns.mean(), "train_return": nan, "loss": nan}
         return carry, jax.tree.map(lambda x: jnp.asarray(x)[None], start)
 
@@ -1288,7 +1285,8 @@ def run_training(config, points, env, network, plan, env_id, output, checkpoint_
         f"{plan.padded_seeds}, {memory})"
     )
     first = saved = 0 if start is None else int(start[2]["step"][0, -1])
-    progress, timings = Progress(num_agents, first, config.total_timesteps), {}
+    progress = Progress(num_agents, first, config.total_timesteps)
+    timings = {"checkpoint_time_s": 0.0}
     with StopRequest() as stop:
         blocks = train_agents(config, env, network, config.seed, grid, plan, start, timings)
         for done, carry, metrics in blocks:
@@ -1297,7 +1295,9 @@ def run_training(config, points, env, network, plan, env_id, output, checkpoint_
             stopping &= steps < config.total_timesteps  # asked during the last block: it ended
             due = checkpoint_every and steps - saved >= checkpoint_every
             if (stopping or due) and steps < config.total_timesteps:  # an ended run has no use
+                clock = time.perf_counter()
                 save_checkpoint(output, config, points, done, carry, metrics)
+                timings["checkpoint_time_s"] += time.perf_counter() - clock
                 saved = steps
             if stopping:
                 break
