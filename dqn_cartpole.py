@@ -54,7 +54,7 @@ class Config:
     # track hundreds of steps later, which 0.99 hardly sees (0.99^300 = 0.05).
     gamma: float = option(0.995, "discount factor")
     # Small on purpose: fresh data beat old data here (measured: see README).
-    buffer_size: int = option(5_000, "replay buffer capacity (transitions per seed)")
+    buffer_size: int = option(500, "replay buffer capacity (transitions per seed)")
     batch_size: int = option(32, "transitions per gradient update")
     hidden_sizes: tuple[int, ...] = option((64, 64), "MLP hidden widths, e.g. 64,64")
     layer_norm: bool = option(True, "LayerNorm after each hidden Dense: keeps Q from diverging")

@@ -477,7 +477,8 @@ def free_port() -> int:
 
 
 # Long enough for a process to be killed mid-training: 40 blocks.
-CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "20000"]
+CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "4000"]
+LONG_CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "20000"]  # time to kill one mid-training
 
 
 def launch_cluster(tmp_path, argv: list[str]) -> list[subprocess.Popen]:
@@ -520,7 +521,7 @@ def test_a_process_that_dies_stops_the_other_with_one_line(tmp_path, victim):
     last line on stderr says why, exit 1, no traceback, nothing written. Process 1 gone: process
     0 learns it at the next gather. Process 0 gone takes the coordinator with it, which JAX
     answers with an abort and a C++ stack trace in process 1; its watcher makes that one line."""
-    processes = launch_cluster(tmp_path, CLUSTER_ARGS)
+    processes = launch_cluster(tmp_path, LONG_CLUSTER_ARGS)
     for line in processes[0].stderr:  # progress lines: training runs
         if "%" in line:
             break
