@@ -790,7 +790,7 @@ def plot_curves(summary: dict, curves: dict, path: Path) -> None:
 
 
 def fail(message: str, status: int = 2):  # one line, no traceback
-    print(f"error: {message}", file=sys.stderr)
+    print(f"parallel_q_learning.py: error: {message}", file=sys.stderr)
     raise SystemExit(status)
 
 

@@ -43,9 +43,8 @@ class Config:
     learning_rate: float = option(0.1, "step size of the Q-learning update, in (0, 1]")
     gamma: float = option(0.9, "discount factor, in [0, 1)")
     epsilon: float = option(0.1, "probability of a uniformly random action, in [0, 1]")
-    # Optimistic start (Sutton & Barto 2.6): no state is worth more than 1.0, so every untried
-    # action looks best until tried. From 0.0, epsilon-greedy could settle on a detour when
-    # the shortest route needs several exploratory steps in a row (seen on random mazes).
+    # Optimistic start (Sutton & Barto 2.6): every untried action looks best until tried. From
+    # 0.0, epsilon-greedy could keep a detour on random mazes (seen), never trying the shortcut.
     initial_q: float = option(1.0, "initial Q-values; 1.0 is optimistic: no state is worth more")
     num_seeds: int = option(1, "independent agents trained at once, sharded over all devices")
     seed: int = option(0, "base random seed; agent i uses fold_in(key(seed), i)")

@@ -7,8 +7,10 @@ Times, per environment step of all agents, compile excluded, medians of alternat
 the whole of dqn_cartpole.py's train (acting, environment, buffer, one update per step, target
 copies, one final evaluation) and its parts run alone, each in its own `lax.scan` of the same
 length under `jax.vmap` over the agents: the gradient update (Huber loss, grads, clipping,
-Adam) on a batch of 32, the forward pass that picks an action, the CartPole step. The
-settings are benchmarks/dqn_cartpole.py's (MLP 64-64-64, batch 32, buffer 512, no LayerNorm).
+Adam) on a batch of 32, the forward pass that picks an action, the CartPole step. Beside
+them, the same for the yardstick (benchmarks/article_dqn.py): its whole train and its update
+alone (squared error, Adam, no clipping) on the same batch. The settings are
+benchmarks/dqn_cartpole.py's (MLP 64-64-64, batch 32, buffer 512, no LayerNorm).
 """
 
 import argparse
@@ -22,6 +24,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import article_dqn as article  # noqa: E402  (the yardstick, next to this file)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
@@ -84,9 +87,25 @@ def parts(steps: int) -> dict:
 
         return jax.lax.scan(body, env.reset(key)[1], jax.random.split(key, steps))[1].sum()
 
+    def yardstick_update_only(key):  # the same batch through the yardstick's update
+        params = article.model.init(key, jnp.zeros(4))
+        ones = jnp.ones((32, 4))
+
+        def body(carry, key):
+            params, opt_state = carry
+            noisy = ones + jax.random.normal(key, (32, 4))
+            batch = (noisy, jnp.zeros(32, jnp.int32), ones[:, 0], ones, jnp.zeros(32))
+            params, opt_state, _ = article.update(params, params, opt_state, batch)
+            return (params, opt_state), None
+
+        carry = (params, article.optimizer.init(params))
+        return jax.lax.scan(body, carry, jax.random.split(key, steps))[0]
+
     return {
         "whole train": dqn.make_train(config, env, network),
         "update": update_only,
+        "yardstick's whole train": article.make_train(steps),
+        "yardstick's update": yardstick_update_only,
         "act (forward + epsilon-greedy)": act_only,
         "environment step": env_only,
     }

@@ -134,8 +134,9 @@ def plot(bench: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 5.2))
 
     def draw(rows, fmt, label, **style):  # one series: medians, bars from min to max
-        x, y = [r["agents"] for r in rows], np.array([r["agent_steps_per_s"] for r in rows])
+        x = [r["agents"] for r in rows]
         rates = [[r["agents"] * r["steps"] / s for s in r["seconds"]] for r in rows]
+        y = np.array([np.median(r) for r in rates])  # from the same runs as the bars
         bars = [y - [min(r) for r in rates], [max(r) for r in rates] - y]
         ax.errorbar(x, y, yerr=bars, fmt=fmt, capsize=3, label=label, **style)
 

@@ -335,6 +335,7 @@ def test_cli_errors_are_one_line_and_write_nothing(tmp_path, capsys, argv, flag)
     assert exit_info.value.code != 0
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and flag in err and "Traceback" not in err, err
+    assert err.startswith("parallel_q_learning.py: error: "), err  # as argparse names its own
     assert not output.exists()
 
 
