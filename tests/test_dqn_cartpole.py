@@ -476,9 +476,9 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-# Long enough for a process to be killed mid-training: 40 blocks.
-CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "4000"]
-LONG_CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "20000"]  # time to kill one mid-training
+CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "4000"]  # 8 blocks, several gathers
+# Long enough for a process to be killed mid-training: 40 blocks (the same compiled programs).
+LONG_CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "20000"]
 
 
 def launch_cluster(tmp_path, argv: list[str]) -> list[subprocess.Popen]:
