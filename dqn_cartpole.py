@@ -675,14 +675,15 @@ def train_agents(config: Config, env, network, seed: int, grid: HParams, plan: S
     shapes = jax.eval_shape(init_all, keys, hparams)[0]  # every agent's carry
     done = 0 if start is None else start[0]
     blocks = [(b, steps) for first, n, steps in config.blocks for b in range(first, first + n)]
-    programs = {"init": init_all.lower(keys, hparams)} if start is None else {}
+    if start is None:  # before the blocks compile: side by side, the two compiles took longer
+        carry, metrics = init_all(keys, hparams)
+    programs = {}
     for steps in {steps for _, steps in blocks[done:]}:  # a shorter last block: another shape
         run = on_devices(partial(run_blocks, steps=steps), (spec, spec, PartitionSpec()))
         programs[steps] = run.lower(shapes, hparams, np.zeros(1, np.int32))
     with ThreadPoolExecutor() as pool:  # compiled side by side: XLA lets go of the GIL
         run = dict(zip(programs, pool.map(lambda p: p.compile(), programs.values()), strict=True))
     if start is None:
-        carry, metrics = run["init"](keys, hparams)
         metrics = gather(metrics)
     else:  # a checkpoint's agents, padded anew (repeating the last real one) for this layout
         _, leaves, metrics = start
