@@ -459,7 +459,6 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import flax
@@ -675,14 +674,14 @@ def train_agents(config: Config, env, network, seed: int, grid: HParams, plan: S
     shapes = jax.eval_shape(init_all, keys, hparams)[0]  # every agent's carry
     done = 0 if start is None else start[0]
     blocks = [(b, steps) for first, n, steps in config.blocks for b in range(first, first + n)]
-    if start is None:  # before the blocks compile: side by side, the two compiles took longer
+    # Programs compiled one after the other: side by side on two cores they took longer. init
+    # runs (dispatched, not awaited) while the block programs compile.
+    if start is None:
         carry, metrics = init_all(keys, hparams)
-    programs = {}
+    run = {}
     for steps in {steps for _, steps in blocks[done:]}:  # a shorter last block: another shape
-        run = on_devices(partial(run_blocks, steps=steps), (spec, spec, PartitionSpec()))
-        programs[steps] = run.lower(shapes, hparams, np.zeros(1, np.int32))
-    with ThreadPoolExecutor() as pool:  # compiled side by side: XLA lets go of the GIL
-        run = dict(zip(programs, pool.map(lambda p: p.compile(), programs.values()), strict=True))
+        block_all = on_devices(partial(run_blocks, steps=steps), (spec, spec, PartitionSpec()))
+        run[steps] = block_all.lower(shapes, hparams, np.zeros(1, np.int32)).compile()
     if start is None:
         metrics = gather(metrics)
     else:  # a checkpoint's agents, padded anew (repeating the last real one) for this layout
