@@ -66,11 +66,13 @@ def train_ours(timesteps: int, num_agents: int) -> None:
     )
 
 
-def timed(command: list[str], devices: int) -> tuple[float, str]:
-    """Run one side in a fresh process on `devices` CPU devices; (steps per s, its line)."""
+def timed(command: list[str], devices: int, one_core: bool) -> tuple[float, str]:
+    """Run one side in a fresh process on `devices` CPU devices, on one core only if
+    `one_core` (Linux); (steps per s, its line)."""
     flags = f"--xla_force_host_platform_device_count={devices}"
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    pin = (lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})) if one_core else None
+    result = subprocess.run(command, capture_output=True, text=True, env=env, preexec_fn=pin)
     lines = [line for line in result.stdout.splitlines() if "steps_per_s=" in line]
     if result.returncode or not lines:
         sys.exit(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
@@ -82,32 +84,43 @@ def main() -> None:
     parser.add_argument("--timesteps", type=int, default=5_000, help="environment steps")
     parser.add_argument("--num-agents", type=int, default=64, help="agents trained at once")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; medians")
+    parser.add_argument("--one-core", action="store_true", help="also both sides on one core")
     parser.add_argument("--ours", action="store_true", help=argparse.SUPPRESS)  # a child run
     args = parser.parse_args()
     size = ["--timesteps", str(args.timesteps), "--num-agents", str(args.num_agents)]
     if args.ours:
         return train_ours(args.timesteps, args.num_agents)
 
-    sides = {
-        "yardstick": ([sys.executable, str(YARDSTICK), *size], 1),
-        "ours on 2 devices": ([sys.executable, __file__, "--ours", *size], 2),
-        "ours on 1 device": ([sys.executable, __file__, "--ours", *size], 1),
+    yardstick, ours = [sys.executable, str(YARDSTICK), *size], [sys.executable, __file__, "--ours"]
+    sides = {  # name: (command, devices, on one core)
+        "yardstick": (yardstick, 1, False),
+        "ours on 2 devices": ([*ours, *size], 2, False),
+        "ours on 1 device": ([*ours, *size], 1, False),
     }
+    # One device still runs some of XLA's work on the other core: pinned, it gets one core.
+    if args.one_core and hasattr(os, "sched_setaffinity"):
+        sides["yardstick on 1 core"] = (yardstick, 1, True)
+        sides["ours on 1 device, 1 core"] = ([*ours, *size], 1, True)
     speeds = {name: [] for name in sides}
     for repeat in range(args.repeats):
-        for name, (command, devices) in sides.items():
-            speed, line = timed(command, devices)
+        for name, (command, devices, one_core) in sides.items():
+            speed, line = timed(command, devices, one_core)
             speeds[name].append(speed)
             print(f"round {repeat + 1}/{args.repeats}, {name}: {line}", flush=True)
-    yardstick, two, one = (statistics.median(speeds[name]) for name in sides)
+    median = {name: statistics.median(speeds[name]) for name in sides}
+    print("medians (agent-steps/s): " + ", ".join(f"{n} {v:.0f}" for n, v in median.items()))
+    base = median["yardstick"]
     print(
-        f"medians (agent-steps/s): yardstick {yardstick:.0f}, ours on 2 devices {two:.0f}, "
-        f"on 1 device {one:.0f}"
+        f"speed-up vs yardstick: {median['ours on 2 devices'] / base:.2f}x sharded over 2 CPU "
+        f"devices, {median['ours on 1 device'] / base:.2f}x on 1 device"
     )
-    print(
-        f"speed-up vs yardstick: {two / yardstick:.2f}x sharded over 2 CPU devices, "
-        f"{one / yardstick:.2f}x on 1 device"
-    )
+    if "yardstick on 1 core" in median:
+        base = median["yardstick on 1 core"]
+        print(
+            f"on one core each: ours {median['ours on 1 device, 1 core'] / base:.2f}x the "
+            f"yardstick; ours on 2 devices {median['ours on 2 devices'] / base:.2f}x the "
+            "yardstick on 1 core"
+        )
 
 
 if __name__ == "__main__":

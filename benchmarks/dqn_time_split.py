@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/dqn_time_split.py                 # 64 agents, 2000 steps
     .venv/bin/python benchmarks/dqn_time_split.py --agents 4 --steps 100 --repeats 1
+    .venv/bin/python benchmarks/dqn_time_split.py --profile       # the update's XLA ops by time
 
 Times, per environment step of all agents, compile excluded, medians of alternating runs:
 the whole of dqn_cartpole.py's train (acting, environment, buffer, one update per step, target
@@ -9,19 +10,30 @@ copies, one final evaluation) and its parts run alone, each in its own `lax.scan
 length under `jax.vmap` over the agents: the gradient update (Huber loss, grads, clipping,
 Adam) on a batch of 32, the forward pass that picks an action, the CartPole step. Beside
 them, the same for the yardstick (benchmarks/article_dqn.py): its whole train and its update
-alone (squared error, Adam, no clipping) on the same batch. The settings are
-benchmarks/dqn_cartpole.py's (MLP 64-64-64, batch 32, buffer 512, no LayerNorm).
+alone (squared error, Adam, no clipping) on the same batch. Then our update split: the
+gradient alone (forward and backward passes, no clipping or Adam) and its two forward passes
+alone; and the three matrix products of one 64x64 layer on a batch of 32 (forward, input
+gradient, weight gradient) with their GFLOP/s: where the backward pass's time goes. The
+settings are benchmarks/dqn_cartpole.py's (MLP 64-64-64, batch 32, buffer 512, no LayerNorm).
+
+--profile: instead, the update's compiled XLA ops, the slowest first, timed by XLA's own trace
+events (jax.profiler), each with its output shape and the JAX operation it comes from.
 """
 
 import argparse
+import collections
 import dataclasses
 import os
+import re
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+if "--profile" in sys.argv:  # XLA's CPU ops then emit trace events, one per op run
+    os.environ["XLA_FLAGS"] += " --xla_cpu_enable_xprof_traceme=true"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import article_dqn as article  # noqa: E402  (the yardstick, next to this file)
@@ -70,6 +82,39 @@ def parts(steps: int) -> dict:
         carry = (params, optimizer.init(params))
         return jax.lax.scan(body, carry, jax.random.split(key, steps))[0]
 
+    def gradient_only(key):  # the update without clipping and Adam: a plain SGD step
+        params = network.init(key, jnp.zeros(4))
+        ones = jnp.ones((32, 4))
+        batch = dqn.Transition(ones, jnp.zeros(32, jnp.int32), ones[:, 0], ones, ones[:, 0] < 0)
+
+        def body(params, key):
+            noisy = batch._replace(obs=batch.obs + jax.random.normal(key, (32, 4)))
+            grads = jax.grad(dqn.dqn_loss)(params, params, network.apply, noisy, 0.9, False)
+            return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), None
+
+        return jax.lax.scan(body, params, jax.random.split(key, steps))[0]
+
+    def forwards_only(key):  # the loss's two forward passes (online on s, target on s')
+        params = network.init(key, jnp.zeros(4))
+
+        def body(total, key):
+            obs = jax.random.normal(key, (2, 32, 4))
+            return total + network.apply(params, obs).sum(), None  # [2, batch, actions]
+
+        return jax.lax.scan(body, 0.0, jax.random.split(key, steps))[0]
+
+    def product(equation: str):  # one 64x64 layer's matrix product on a batch of 32
+        def run(key):
+            x, w = jax.random.normal(key, (32, 64)), jax.random.normal(key, (64, 64))
+
+            def body(x, _):  # x changes every step: XLA cannot hoist the product out
+                y = jnp.einsum(equation, x, w if equation != "bi,bj->ij" else x)
+                return x + 1e-3 * y.mean(), None
+
+            return jax.lax.scan(body, x, None, length=steps)[0]
+
+        return run
+
     def act_only(key):
         params = network.init(key, jnp.zeros(4))
 
@@ -104,11 +149,46 @@ def parts(steps: int) -> dict:
     return {
         "whole train": dqn.make_train(config, env, network),
         "update": update_only,
+        "  its gradient alone (no clipping, Adam)": gradient_only,
+        "  its two forward passes": forwards_only,
         "yardstick's whole train": article.make_train(steps),
         "yardstick's update": yardstick_update_only,
         "act (forward + epsilon-greedy)": act_only,
         "environment step": env_only,
+        "a 64x64 layer, forward x W": product("bi,ij->bj"),
+        "a 64x64 layer, input gradient dy W^T": product("bj,ij->bi"),
+        "a 64x64 layer, weight gradient x^T dy": product("bi,bj->ij"),
     }
+
+
+def profile(function, keys, steps: int, top: int = 16) -> None:
+    """Print `function`'s compiled XLA ops that took the most time in one traced call, per step."""
+    compiled = function.lower(keys).compile()
+    jax.block_until_ready(compiled(keys))  # warm up
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder)
+        jax.block_until_ready(compiled(keys))
+        jax.profiler.stop_trace()
+        trace = jax.profiler.ProfileData.from_file(str(next(Path(folder).rglob("*.xplane.pb"))))
+    # '%dot.18 = f32[64,64,64]{2,1,0} dot(...), ..., op_name="jit(update_only)/.../Dense_1/..."'
+    pattern = r'^\s*(?:ROOT )?%?([\w.-]+) = (\w+\[[\d,]*\]).*?op_name="([^"]*)"'
+    ops = {m[1]: (m[2], m[3]) for m in re.finditer(pattern, compiled.as_text(), re.MULTILINE)}
+    spent, runs = collections.Counter(), collections.Counter()
+    for plane in trace.planes:
+        for line in plane.lines:
+            for event in line.events:
+                if event.name in ops:
+                    spent[event.name] += event.duration_ns
+                    runs[event.name] += 1
+    total = sum(spent.values())
+    print(f"the update's XLA ops, {keys.shape[0]} agents: {total / steps / 1e3:.0f} us a step")
+    for name, nanoseconds in spent.most_common(top):
+        shape, source = ops[name]
+        source = re.sub(r"^jit\(\w+\)/(vmap\(\)/)?(while/body/)?(closed_call/)?", "", source)
+        print(
+            f"  {nanoseconds / steps / 1e3:7.1f} us  x{runs[name] / steps:<4g} {name:24s} "
+            f"{shape:16s} {source[:60]}"
+        )
 
 
 def main() -> None:
@@ -116,9 +196,12 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=64, help="agents under jax.vmap")
     parser.add_argument("--steps", type=int, default=2_000, help="environment steps")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; medians")
+    parser.add_argument("--profile", action="store_true", help="the update's XLA ops by time")
     args = parser.parse_args()
     keys = jax.random.split(jax.random.key(0), args.agents)
     functions = {name: jax.jit(jax.vmap(f)) for name, f in parts(args.steps).items()}
+    if args.profile:
+        return profile(functions["update"], keys, args.steps)
     for f in functions.values():
         jax.block_until_ready(f(keys))  # compile and warm up
     times = {name: [] for name in functions}
@@ -131,7 +214,10 @@ def main() -> None:
     print(f"{args.agents} agents, {args.steps} steps, 1 device; per step of all agents:")
     for name, samples in times.items():
         seconds = statistics.median(samples)
-        print(f"  {name:32s} {seconds * 1e6:8.1f} us  {seconds / whole:6.1%} of the whole")
+        line = f"  {name:38s} {seconds * 1e6:8.1f} us  {seconds / whole:6.1%} of the whole"
+        if "layer" in name:  # 2 flops a multiply-add, 32 x 64 x 64 of them per agent
+            line += f"  {2 * 32 * 64 * 64 * args.agents / seconds / 1e9:5.0f} GFLOP/s"
+        print(line)
 
 
 if __name__ == "__main__":

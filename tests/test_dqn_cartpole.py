@@ -773,12 +773,15 @@ BENCHMARKS = [  # (script, a tiny size, what it prints last)
     ("dqn_cartpole.py", "--timesteps 500 --num-agents 4 --repeats 1", "speed-up vs yardstick:"),
     ("dqn_sweep.py", "--seeds 1 --timesteps 200 --repeats 1", "sweep / single:"),
     ("dqn_time_split.py", "--agents 2 --steps 50 --repeats 1", "environment step"),
+    ("dqn_time_split.py", "--agents 2 --steps 50 --profile", "dot"),  # an op of the update
     ("dqn_segments.py", "--seeds 2 --timesteps 600 --repeats 1", "blocks / one call:"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("script", "tiny", "printed"), BENCHMARKS, ids=["article", "sweep", "time split", "blocks"]
+    ("script", "tiny", "printed"),
+    BENCHMARKS,
+    ids=["article", "sweep", "time split", "profile", "blocks"],
 )
 def test_benchmark_runs_from_a_clone_at_a_tiny_size(script, tiny, printed):
     """Each benchmark finds what it measures next to it (dqn_cartpole.py's also its yardstick)
