@@ -67,10 +67,10 @@ class Config:
             ("steps_per_block", self.steps_per_block >= 1, "at least 1"),
             ("num_curve_points", self.num_curve_points >= 1, "at least 1"),
             ("num_recorded_episodes", self.num_recorded_episodes >= 1, "at least 1"),
-            ("max_episode_steps", self.max_episode_steps >= 0, ">= 0"),
+            ("max_episode_steps", 0 <= self.max_episode_steps < 2**31, "in [0, 2^31)"),
             ("epsilon", 0.0 <= self.epsilon <= 1.0, "in [0, 1]"),
             ("gamma", 0.0 <= self.gamma < 1.0, "in [0, 1)"),
-            ("initial_q", np.isfinite(self.initial_q), "a finite number"),
+            ("initial_q", abs(self.initial_q) < 3.4e38, "below 3.4e38 in size (a float32)"),
             ("learning_rate", 0.0 < self.learning_rate <= 1.0, "in (0, 1]"),  # False for NaN
             ("seed", -(2**63) <= self.seed < 2**63, "a 64-bit integer"),  # jax.random.key
         ):
@@ -354,6 +354,7 @@ def make_train(config: Config, env: GridWorld | None = None):
 import argparse
 import contextlib
 import csv
+import itertools
 import json
 import platform
 import signal
@@ -552,9 +553,28 @@ def expected_episode_length(env: GridWorld, epsilon: float, gamma: float) -> flo
 def atomic_open(path: Path, mode: str = "w"):
     """Write to a temporary name beside path, then rename: no reader sees half a file."""
     temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, mode) as file:
-        yield file
+    try:
+        with open(temporary, mode) as file:
+            yield file
+    except BaseException:  # an error, Ctrl-C: no temporary file left behind
+        temporary.unlink(missing_ok=True)
+        raise
     os.replace(temporary, path)
+
+
+@contextlib.contextmanager
+def written_whole():
+    """Ctrl-C and SIGTERM wait while a run's files are written, so that they are written whole;
+    one that came meanwhile then ends the script."""
+    caught = []
+    held = {signum: signal.signal(signum, lambda n, _: caught.append(n)) for signum in SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
+    if caught:
+        fail(f"stopped by {SIGNALS[caught[0]]} once the run was written whole", 128 + caught[0])
 
 
 def write_csv(path: Path, columns: dict) -> None:
@@ -577,6 +597,7 @@ def read_csv(path: Path, num_seeds: int) -> dict:
 
 RUN_FILES = ("summary.json", "curves.csv", "first_episodes.csv", "q_tables.npy")
 RUN_NAMES = (*RUN_FILES, "q_learning_gridworld.png")  # all a run writes
+SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
 def save_run(output_dir: Path, summary: dict, out: dict) -> None:
@@ -667,10 +688,10 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-def fail(message: str):
+def fail(message: str, status: int = 2):
     """Exit with one line on stderr (argparse would add its usage)."""
     print(f"q_learning_gridworld.py: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(status)
 
 
 # Larger is not a map anyone draws by hand, and parsing it in Python would take minutes.
@@ -729,35 +750,46 @@ def parse_config(argv: list[str] | None = None) -> Config | Path:
 
 
 def run_folder(template: str, overwrite: bool) -> str:
-    """The run's folder. `{time}` in the name becomes the start time: a new folder for every
-    run (_2, _3 when two start in the same second). A folder named outright that already holds
-    files is refused, unless --overwrite, which replaces what a run wrote there (see
-    clear_folder) and refuses a folder that holds anything else. ValueError('--flag ...')."""
+    """The run's folder, checked (a `{time}` name is new: make_folder picks it). A folder named
+    outright that already holds files is refused, unless --overwrite, which replaces what a run
+    wrote there (see clear_folder) and refuses a folder that holds anything else (a folder, a
+    file of another name). ValueError('--flag ...')."""
     if not template:  # "" would write into the current folder
         raise ValueError("--output-dir must name a folder, not be empty")
     if "{time}" in template:
-        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-        folder, copy = template.replace("{time}", stamp), 1
-        while Path(folder).exists():
-            copy += 1
-            folder = template.replace("{time}", f"{stamp}_{copy}")
-        return folder
+        return template
     try:
-        held = sorted(entry.name for entry in Path(template).iterdir())
+        held = sorted(Path(template).iterdir())
     except NotADirectoryError:
         raise ValueError(f"--output-dir {template} is not a folder") from None
     except OSError:  # no such folder yet (it is made later), or a name the OS refuses
         held = []
     if held and not overwrite:
         raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")
-    if foreign := [name for name in held if name not in RUN_NAMES and not name.endswith(".tmp")]:
+    ours = {*RUN_NAMES, *(f".{name}.tmp" for name in RUN_NAMES)}  # atomic_open's temporaries
+    if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
         raise ValueError(f"--overwrite replaces a run only; {template} also holds {foreign[0]}")
     return template
 
 
+def make_folder(folder: str) -> Path:
+    """Make the run's folder. `{time}` becomes the start time, then _2, _3 while another run
+    holds that name: mkdir is atomic, so two runs started in the same second never share one."""
+    if "{time}" not in folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        return Path(folder)
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    for copy in itertools.count(1):
+        path = Path(folder.replace("{time}", stamp if copy == 1 else f"{stamp}_{copy}"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            path.mkdir()
+            return path
+
+
 def clear_folder(folder: Path) -> None:
-    """Remove a previous run's files (run_folder allowed nothing else), after every check."""
-    for entry in folder.iterdir() if folder.is_dir() else ():
+    """Remove a previous run's files (run_folder allowed nothing else), just before writing."""
+    for entry in folder.iterdir():
         entry.unlink()
 
 
@@ -767,27 +799,37 @@ def main(argv: list[str] | None = None) -> None:
     if isinstance(config, Path):  # --replot DIR: the figure again from the saved files
         if not all((config / name).is_file() for name in RUN_FILES):
             fail(f"--replot: {str(config)!r} is not a saved run (needs {', '.join(RUN_FILES)})")
-        return print(f"redrew {plot_run(config)} from the files saved there (no training)")
+        try:
+            path = plot_run(config)
+        except Exception as error:  # a damaged file: one line, not a traceback
+            fail(f"--replot {config}: cannot redraw ({type(error).__name__}: {error})"[:300])
+        return print(f"redrew {path} from the files saved there (no training)")
     env = GridWorld(config.layout, config.max_episode_steps)
     check_memory(config, env)
+    try:  # before training, so that a bad --output-dir costs no training
+        output_dir = make_folder(config.output_dir)
+    except OSError as error:
+        fail(f"--output-dir: {error}")
+    config = dataclasses.replace(config, output_dir=str(output_dir))
     num_blocks = -(-config.total_timesteps // config.steps_per_block)
     if config.num_curve_points > num_blocks:  # a curve point is made of whole blocks
         print(
             f"note: {num_blocks} curve points, not {config.num_curve_points}: --num-curve-points "
             "is at most --total-timesteps / --steps-per-block (lower --steps-per-block for more)"
         )
-    output_dir = Path(config.output_dir)
-    try:  # before training, so that a bad --output-dir costs no training
-        output_dir.mkdir(parents=True, exist_ok=True)
-        clear_folder(output_dir)
-    except OSError as error:
-        fail(f"--output-dir: {error}")
     print(f"output {output_dir}/")
     few_seeds = config.num_seeds < CPU_MIN_SEEDS_TO_VMAP * jax.device_count()
     batch_size = 1 if jax.default_backend() == "cpu" and few_seeds else None
     devices = plural(jax.device_count(), f"{jax.default_backend()} device")
     print(f"{plural(config.num_seeds, 'seed')} x {config.total_timesteps:,} steps on {devices}")
-    out, timings = train_seeds(make_train(config, env), config.seed, config.num_seeds, batch_size)
+    try:
+        out, timings = train_seeds(
+            make_train(config, env), config.seed, config.num_seeds, batch_size
+        )
+    except BaseException:  # stopped: leave no empty folder (rmdir removes only an empty one)
+        with contextlib.suppress(OSError):
+            output_dir.rmdir()
+        raise
     summary = summarize(config, env, out["q_values"], timings)
     seeds, seed_0 = plural(config.num_seeds, "seed"), summary["seeds"][0]
     print(
@@ -801,8 +843,10 @@ def main(argv: list[str] | None = None) -> None:
         f"V*(S) = {seed_0['v_star_start']:.4f} (seed 0)"
     )
     summary["wall_time_s"] = time.perf_counter() - start  # the whole command, but the writes
-    save_run(output_dir, summary, out)
-    figure_path = plot_run(output_dir)
+    with written_whole():  # a run that --overwrite replaces stays whole until now
+        clear_folder(output_dir)
+        save_run(output_dir, summary, out)
+        figure_path = plot_run(output_dir)
     print(f"wrote {', '.join(RUN_FILES)} and {figure_path.name} to {output_dir}/; "
           f"wall {summary['wall_time_s']:.1f} s")  # fmt: skip
 
