@@ -1085,8 +1085,10 @@ def check_coordinator(address: str, process_id: int, timeout: float) -> None:
     """One-line errors for a cluster that cannot form: JAX would abort with a C++ trace. Process 0
     must be able to listen on the port; the others wait up to `timeout` s for it to listen."""
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"--coordinator-address {address!r}: expected HOST:PORT")
+    if not host or not port.isdigit() or not 0 < int(port) < 2**16:
+        raise ValueError(f"--coordinator-address {address!r}: expected HOST:PORT, a port 1-65535")
+    if not 0 < timeout < math.inf:  # False for NaN
+        raise ValueError(f"--cluster-timeout must be > 0 and finite, got {timeout}")
     if process_id == 0:
         with socket.socket() as probe:
             # As the coordinator will: a port that a run just ended on (TIME_WAIT) is free.

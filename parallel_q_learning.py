@@ -73,8 +73,8 @@ class Config:
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be at least 1, got {getattr(self, name)}")
         for name in ("max_episode_steps", "agents_per_chunk"):
-            if getattr(self, name) < 0:
-                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
+            if not 0 <= getattr(self, name) < 2**31:  # the episode counters are int32
+                raise ConfigError(name, f"must be in [0, 2^31), got {getattr(self, name)}")
         if not -(2**63) <= self.seed < 2**63:  # what jax.random.key takes
             raise ConfigError("seed", f"must be a 64-bit integer, got {self.seed}")
         for name, valid, rule in (
@@ -84,6 +84,8 @@ class Config:
         ):
             if not getattr(self, name):
                 raise ConfigError(name, "needs at least one value")
+            if len(set(getattr(self, name))) < len(getattr(self, name)):  # two equal grid points
+                raise ConfigError(name, f"lists a value twice: {getattr(self, name)}")
             for value in getattr(self, name):
                 if not valid(value):  # False for NaN
                     raise ConfigError(name, f"each value must be {rule}, got {value}")
@@ -513,8 +515,9 @@ def shard_sweep(sweep: Callable, mesh: Mesh, chunks: int = 1) -> Callable:
     return jax.jit(jax.shard_map(device_sweep, mesh=mesh, **specs, check_vma=False))
 
 
-def validate(config: Config, schedule: Schedule) -> GridWorld:
-    """The checks that need the map or the machine, before anything is written -> the env."""
+def validate(config: Config, schedule: Schedule) -> tuple[GridWorld, Path]:
+    """The checks that need the map or the machine, before anything is written -> (the env,
+    the run's folder, made on process 0)."""
     try:
         env = make_env(config.layout, config.max_episode_steps)
     except LayoutError as error:
@@ -561,10 +564,10 @@ def validate(config: Config, schedule: Schedule) -> GridWorld:
         )
     try:  # last of the checks, so a refused run writes nothing, and before any training
         if jax.process_index() == 0:  # process 0 writes for the cluster
-            output.mkdir(parents=True, exist_ok=True)
+            return env, make_folder(config.output_dir)
     except OSError as error:
         raise ConfigError("output_dir", f"cannot create {config.output_dir!r}: {error}") from None
-    return env
+    return env, Path(config.output_dir)
 
 
 def plural(count: int, noun: str) -> str:
@@ -676,15 +679,35 @@ HEATMAP_MEASURES = {
 }
 RUN_FILES = ("summary.json", "curves.csv", "q_tables.npy")
 RUN_NAMES = (*RUN_FILES, "sweep_heatmap.png", "learning_curves.png")  # all a run writes
+SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
 @contextlib.contextmanager
 def atomic_open(path: Path, mode: str = "w"):
     """Write to a temporary name beside path, then rename: no reader sees half a file."""
     temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, mode) as file:
-        yield file
+    try:
+        with open(temporary, mode) as file:
+            yield file
+    except BaseException:  # an error, Ctrl-C: no temporary file left behind
+        temporary.unlink(missing_ok=True)
+        raise
     os.replace(temporary, path)
+
+
+@contextlib.contextmanager
+def written_whole():
+    """Ctrl-C and SIGTERM wait while a run's files are written, so that they are written whole;
+    one that came meanwhile then ends the script."""
+    caught = []
+    held = {signum: signal.signal(signum, lambda n, _: caught.append(n)) for signum in SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
+    if caught:
+        fail(f"stopped by {SIGNALS[caught[0]]} once the run was written whole", 128 + caught[0])
 
 
 def save_run(output: Path, summary: dict, config: Config, result: TrainResult) -> None:
@@ -871,35 +894,46 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config | Path, dict]:
 
 
 def run_folder(template: str, overwrite: bool) -> str:
-    """The run's folder. `{time}` in the name becomes the start time: a new folder for every
-    run (_2, _3 when two start in the same second). A folder named outright that already holds
-    files is refused, unless --overwrite, which replaces what a run wrote there (see
-    clear_folder) and refuses a folder that holds anything else. ValueError('--flag ...')."""
+    """The run's folder, checked (a `{time}` name is new: make_folder picks it). A folder named
+    outright that already holds files is refused, unless --overwrite, which replaces what a run
+    wrote there (see clear_folder) and refuses a folder that holds anything else (a folder, a
+    file of another name). ValueError('--flag ...')."""
     if not template:  # "" would write into the current folder
         raise ValueError("--output-dir must name a folder, not be empty")
     if "{time}" in template:
-        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-        folder, copy = template.replace("{time}", stamp), 1
-        while Path(folder).exists():
-            copy += 1
-            folder = template.replace("{time}", f"{stamp}_{copy}")
-        return folder
+        return template
     try:
-        held = sorted(entry.name for entry in Path(template).iterdir())
+        held = sorted(Path(template).iterdir())
     except NotADirectoryError:
         raise ValueError(f"--output-dir {template} is not a folder") from None
     except OSError:  # no such folder yet (it is made later), or a name the OS refuses
         held = []
     if held and not overwrite:
         raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")
-    if foreign := [name for name in held if name not in RUN_NAMES and not name.endswith(".tmp")]:
+    ours = {*RUN_NAMES, *(f".{name}.tmp" for name in RUN_NAMES)}  # atomic_open's temporaries
+    if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
         raise ValueError(f"--overwrite replaces a run only; {template} also holds {foreign[0]}")
     return template
 
 
+def make_folder(folder: str) -> Path:
+    """Make the run's folder. `{time}` becomes the start time, then _2, _3 while another run
+    holds that name: mkdir is atomic, so two runs started in the same second never share one."""
+    if "{time}" not in folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        return Path(folder)
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    for copy in itertools.count(1):
+        path = Path(folder.replace("{time}", stamp if copy == 1 else f"{stamp}_{copy}"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            path.mkdir()
+            return path
+
+
 def clear_folder(folder: Path) -> None:
-    """Remove a previous run's files (run_folder allowed nothing else), after every check."""
-    for entry in folder.iterdir() if folder.is_dir() else ():
+    """Remove a previous run's files (run_folder allowed nothing else), just before writing."""
+    for entry in folder.iterdir():
         entry.unlink()
 
 
@@ -907,8 +941,10 @@ def check_coordinator(address: str, process_id: int, timeout: float) -> None:
     """One-line errors for a cluster that cannot form: JAX would abort with a C++ trace. Process 0
     must be able to listen on the port; the others wait up to `timeout` s for it to listen."""
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        fail(f"--coordinator-address {address!r}: expected HOST:PORT")
+    if not host or not port.isdigit() or not 0 < int(port) < 2**16:
+        fail(f"--coordinator-address {address!r}: expected HOST:PORT, a port from 1 to 65535")
+    if not 0 < timeout < math.inf:  # False for NaN
+        fail(f"--cluster-timeout must be > 0 and finite, got {timeout}")
     if process_id == 0:
         with socket.socket() as probe:
             # As the coordinator will: a port that a run just ended on (TIME_WAIT) is free.
@@ -970,17 +1006,19 @@ def main(argv: list[str] | None = None) -> None:
     if isinstance(config, Path):  # --replot DIR: the figures again from the saved files
         if not all((config / name).is_file() for name in RUN_FILES):
             fail(f"--replot: {str(config)!r} is not a saved run (needs {', '.join(RUN_FILES)})")
-        plot_run(config)
+        try:
+            plot_run(config)
+        except Exception as error:  # a damaged file: one line, not a traceback
+            fail(f"--replot {config}: cannot redraw ({type(error).__name__}: {error})"[:300])
         return print(f"redrew sweep_heatmap.png, learning_curves.png in {config}/ (no training)")
     join_cluster(**cluster)
     schedule = make_schedule(config)
     try:
-        env = validate(config, schedule)
+        env, output = validate(config, schedule)
     except ConfigError as error:
         fail(str(error))
-    if jax.process_index() == 0:  # a run --overwrite replaces: after every check
-        clear_folder(Path(config.output_dir))
-    print(f"output {config.output_dir}/")
+    config = dataclasses.replace(config, output_dir=str(output))
+    print(f"output {output}/")
     mesh = seed_mesh()
     chunks = chunks_per_device(config, env, mesh)
     num_grid = len(grid_points(config))
@@ -997,7 +1035,12 @@ def main(argv: list[str] | None = None) -> None:
             "each point of --num-curve-points is a whole number of --rng-block-steps blocks"
         )
 
-    result, timings = run_sweep(config, env, schedule, mesh, chunks)
+    try:
+        result, timings = run_sweep(config, env, schedule, mesh, chunks)
+    except BaseException:  # stopped: leave no empty folder (rmdir removes only an empty one)
+        with contextlib.suppress(OSError):
+            output.rmdir()
+        raise
     rate = num_agents * config.total_timesteps / timings["train_time_s"]
     print(
         f"compile {timings['compile_time_s']:.1f} s, train {timings['train_time_s']:.2f} s: "
@@ -1017,7 +1060,6 @@ def main(argv: list[str] | None = None) -> None:
             f"{optimal:8.2f} {path:7.1f} {row['start_value_abs_error']['mean']:13.4f}"
         )
 
-    output = Path(config.output_dir)  # made by validate()
     summary = {
         "config": dataclasses.asdict(config),
         "versions": versions(),
@@ -1032,8 +1074,10 @@ def main(argv: list[str] | None = None) -> None:
     }
     if jax.process_index() > 0:  # process 0 writes the results of every process
         return
-    save_run(output, summary, config, result)
-    plot_run(output)
+    with written_whole():  # a run that --overwrite replaces stays whole until now
+        clear_folder(output)
+        save_run(output, summary, config, result)
+        plot_run(output)
     print(
         f"wrote {', '.join(RUN_FILES)}, sweep_heatmap.png, learning_curves.png to {output}/, "
         f"wall {summary['wall_time_s']:.1f} s"
