@@ -524,6 +524,8 @@ def make_env(env: str):
         gym_env, params = gymnax.make(env_id)
     except ValueError:
         raise ValueError(f"--env {env}: gymnax has no {env_id}; try {SOME_ENVS}") from None
+    except Exception as error:  # one that downloads its data, say, offline
+        raise ValueError(f"--env {env}: gymnax cannot make {env_id} ({error})"[:300]) from None
     if not isinstance(gym_env.action_space(params), Discrete):
         raise ValueError(f"--env {env}: DQN needs discrete actions, {env_id} has continuous ones")
     obs = jax.eval_shape(gym_env.reset, jax.random.key(0))[0]
@@ -535,8 +537,14 @@ def grid_points(lists: dict[str, tuple[float, ...]]) -> list[dict[str, float]]:
     ValueError('--flag problem') for a value the update rule cannot use."""
     for name, values in lists.items():
         valid, problem = HPARAM_RULES[name]
+        with np.errstate(over="ignore"):  # beyond float32 becomes inf, which the rules refuse
+            float32 = [float(np.float32(value)) for value in values]
         if not all(valid(value) for value in values):  # False for NaN too
             raise ValueError(f"{flag(name)} {problem}")
+        if not all(valid(value) for value in float32):  # 1 - 1e-9 is 1 in float32, 1e-46 is 0
+            raise ValueError(f"{flag(name)} {problem} as a float32, what train() computes with")
+        if len(set(float32)) < len(values):  # two grid points that could not be told apart
+            raise ValueError(f"{flag(name)} lists a value twice")
     return [dict(zip(lists, values, strict=True)) for values in itertools.product(*lists.values())]
 
 
@@ -844,6 +852,7 @@ RUN_FILES = ("summary.json", "curves.csv", "params.msgpack")
 CHECKPOINT = "checkpoint.npz"  # a run stopped early, or on its way: what --resume reads
 RUN_NAMES = (*RUN_FILES, CHECKPOINT, "learning_curves.png", "sweep.png", "load_summary.json")
 RUN_NAMES = (*RUN_NAMES, "render.gif")
+SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 CURVES = ("step", "eval_return", "train_return", "loss")  # curves.csv's columns after seed
 
 
@@ -851,9 +860,30 @@ CURVES = ("step", "eval_return", "train_return", "loss")  # curves.csv's columns
 def atomic_open(path: Path, mode: str = "w"):
     """Write to a temporary name beside path, then rename: no reader sees half a file."""
     temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, mode) as file:
-        yield file
+    try:
+        with open(temporary, mode) as file:
+            yield file
+    except BaseException:  # an error, Ctrl-C: no temporary file left behind
+        temporary.unlink(missing_ok=True)
+        raise
     os.replace(temporary, path)
+
+
+@contextlib.contextmanager
+def written_whole():
+    """Ctrl-C and SIGTERM wait while a run's files are written, so that they are written whole;
+    one that came meanwhile then ends the script."""
+    caught = []
+    held = {signum: signal.signal(signum, lambda n, _: caught.append(n)) for signum in SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
+    if caught:
+        print(f"dqn_cartpole.py: stopped by {SIGNALS[caught[0]]} once the run was written whole",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(128 + caught[0])
 
 
 def json_safe(value):
@@ -1219,15 +1249,30 @@ def load_run(folder: str) -> tuple[Config, Any, list | None]:
         saved = summary["config"]
         config = Config(**{**saved, "hidden_sizes": tuple(saved["hidden_sizes"])})
         params = flax.serialization.msgpack_restore((Path(folder) / "params.msgpack").read_bytes())
+        grid = [{name: float(p["hparams"][name]) for name in HParams._fields} for p in
+                summary["grid"]] if "grid" in summary else None  # fmt: skip
     except Exception as error:
         raise ValueError(f"--load {folder}: cannot read a saved run ({error})") from None
-    return config, params, [p["hparams"] for p in summary["grid"]] if "grid" in summary else None
+    return config, params, grid
+
+
+def check_params(params, network: QNetwork, env, folder: str) -> None:
+    """ValueError unless `params` are one network's per seed: its names and shapes [seeds, ...]."""
+    obs = jax.eval_shape(env.reset, jax.random.key(0))[0]
+    shapes = jax.eval_shape(network.init, jax.random.key(0), obs)
+    wanted = [(jax.tree_util.keystr(k), x.shape) for k, x in jax.tree.leaves_with_path(shapes)]
+    saved = [
+        (jax.tree_util.keystr(k), np.shape(x)[1:]) for k, x in jax.tree.leaves_with_path(params)
+    ]
+    if wanted != saved:
+        raise ValueError(f"--load {folder}: its params.msgpack is not its own env's and network's")
 
 
 def with_run(saved: Config, given: dict, folder: str) -> dict:
-    """The Config values of this command with the saved run's env and network. One given that
-    disagrees is a ValueError; ours and gymnax's CartPole agree (the same task, checked)."""
-    run = {name: getattr(saved, name) for name in ("env", "hidden_sizes", "layer_norm")}
+    """The Config values of this command with the saved run's env, network and seeds. One given
+    that disagrees is a ValueError; ours and gymnax's CartPole agree (the same task, checked)."""
+    names = ("env", "hidden_sizes", "layer_norm", "num_seeds")
+    run = {name: getattr(saved, name) for name in names}
     for name, theirs in run.items():
         mine = given.get(name, theirs)
         same = gymnax_id(mine) == gymnax_id(theirs) if name == "env" else mine == theirs
@@ -1241,9 +1286,6 @@ def with_run(saved: Config, given: dict, folder: str) -> dict:
 
 def plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
-
-
-SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
 class StopRequest:
@@ -1330,6 +1372,8 @@ def parse_command(argv: list[str] | None):
     given = {name: value for name, value in given.items() if value is not None}
     if args.checkpoint_every < 0:
         raise ValueError("--checkpoint-every must be >= 0")
+    if args.solved_return is not None and not math.isfinite(args.solved_return):
+        raise ValueError("--solved-return must be a finite number")
     if args.resume:  # the run goes on as it was started: no flag may change it
         others = [flag(name) for name in given] + ["--load"] * bool(args.load)
         others += [name for name in ("--replot", "--render", "--overwrite") if
@@ -1341,6 +1385,10 @@ def parse_command(argv: list[str] | None):
     lists = {name: given.pop(name, (value,)) for name, value in hparams_of(Config()).items()}
     points, params = grid_points(lists), None
     if args.load:  # the env and network must match the saved params; the rest is this command's
+        if len(points) > 1:
+            raise ValueError(
+                "--load evaluates the saved run's own grid points; leave out the lists"
+            )
         saved, params, saved_points = load_run(args.load)
         given = with_run(saved, given, args.load)
         points = saved_points or points[:1]
@@ -1348,35 +1396,46 @@ def parse_command(argv: list[str] | None):
 
 
 def run_folder(template: str, overwrite: bool) -> str:
-    """The run's folder. `{time}` in the name becomes the start time: a new folder for every
-    run (_2, _3 when two start in the same second). A folder named outright that already holds
-    files is refused, unless --overwrite, which replaces what a run wrote there (see
-    clear_folder) and refuses a folder that holds anything else. ValueError('--flag ...')."""
+    """The run's folder, checked (a `{time}` name is new: make_folder picks it). A folder named
+    outright that already holds files is refused, unless --overwrite, which replaces what a run
+    wrote there (see clear_folder) and refuses a folder that holds anything else (a folder, a
+    file of another name). ValueError('--flag ...')."""
     if not template:  # "" would write into the current folder
         raise ValueError("--output-dir must name a folder, not be empty")
     if "{time}" in template:
-        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-        folder, copy = template.replace("{time}", stamp), 1
-        while Path(folder).exists():
-            copy += 1
-            folder = template.replace("{time}", f"{stamp}_{copy}")
-        return folder
+        return template
     try:
-        held = sorted(entry.name for entry in Path(template).iterdir())
+        held = sorted(Path(template).iterdir())
     except NotADirectoryError:
         raise ValueError(f"--output-dir {template} is not a folder") from None
     except OSError:  # no such folder yet (it is made later), or a name the OS refuses
         held = []
     if held and not overwrite:
         raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")
-    if foreign := [name for name in held if name not in RUN_NAMES and not name.endswith(".tmp")]:
+    ours = {*RUN_NAMES, *(f".{name}.tmp" for name in RUN_NAMES)}  # atomic_open's temporaries
+    if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
         raise ValueError(f"--overwrite replaces a run only; {template} also holds {foreign[0]}")
     return template
 
 
+def make_folder(folder: str) -> Path:
+    """Make the run's folder. `{time}` becomes the start time, then _2, _3 while another run
+    holds that name: mkdir is atomic, so two runs started in the same second never share one."""
+    if "{time}" not in folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        return Path(folder)
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    for copy in itertools.count(1):
+        path = Path(folder.replace("{time}", stamp if copy == 1 else f"{stamp}_{copy}"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            path.mkdir()
+            return path
+
+
 def clear_folder(folder: Path) -> None:
     """Remove a previous run's files (run_folder allowed nothing else), after every check."""
-    for entry in folder.iterdir() if folder.is_dir() else ():
+    for entry in folder.iterdir():
         entry.unlink()
 
 
@@ -1385,8 +1444,9 @@ def check_run(config: Config, output: Path) -> None:
     ValueError('--flag problem') before any work."""
     if not -(2**63) <= config.seed < 2**63:  # what jax.random.key takes
         raise ValueError(f"--seed must be a 64-bit integer, got {config.seed}")
-    if config.total_timesteps >= 2**31:  # the step counters are int32 (jax's default)
-        raise ValueError("--total-timesteps must be below 2^31 (2,147,483,648)")
+    for f in dataclasses.fields(config):  # the step counters are int32 (jax's default)
+        if f.type is int and f.name != "seed" and getattr(config, f.name) >= 2**31:
+            raise ValueError(f"{flag(f.name)} must be below 2^31 (2,147,483,648)")
     if config.learning_starts >= config.total_timesteps:
         raise ValueError("--learning-starts must be below --total-timesteps: no update would run")
     if not str(config.output_dir):  # "" would write into the current folder
@@ -1406,8 +1466,9 @@ def replot(folder: str) -> None:
         if not all((output / name).is_file() for name in RUN_FILES):
             raise ValueError(f"not a saved run (needs {', '.join(RUN_FILES)})")
         path = plot_run(output)
-    except (OSError, ValueError, KeyError) as error:  # a broken file: one line, not a traceback
-        print(f"dqn_cartpole.py: error: --replot {folder}: {error}", file=sys.stderr)
+    except Exception as error:  # a damaged file: one line, not a traceback
+        message = f"--replot {folder}: cannot redraw ({type(error).__name__}: {error})"[:300]
+        print(f"dqn_cartpole.py: error: {message}", file=sys.stderr)
         sys.exit(2)
     print(f"redrew {path} from the saved files (no training)")
 
@@ -1434,19 +1495,25 @@ def main(argv: list[str] | None = None) -> None:
         config = dataclasses.replace(config, output_dir=str(output))
         check_run(config, output)
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
+        if args.load:  # the saved params must be this env's and network's: [seeds, ...] each
+            check_params(params, network, env, args.load)
         terms, result_bytes = memory_need(config, env, network)
         check_memory(terms, result_bytes, len(points) * config.num_seeds)
         need = sum(terms.values())
         plan = None if args.load else plan_seeds(len(points) * config.num_seeds, need)
-    except (argparse.ArgumentError, ValueError, MemoryError) as error:
+        if jax.process_index() == 0:  # last: a refused run leaves nothing behind
+            try:
+                output = make_folder(str(output))
+            except OSError as error:
+                raise ValueError(f"--output-dir: {error}") from None
+            config = dataclasses.replace(config, output_dir=str(output))
+            kept = {Path(run).resolve() for run in (args.load, args.resume) if run}
+            if output.resolve() not in kept:  # a loaded or resumed run keeps its files
+                clear_folder(output)
+    except (argparse.ArgumentError, ValueError, MemoryError, OSError) as error:
         print(f"dqn_cartpole.py: error: {error}", file=sys.stderr)
         sys.exit(2)
-
-    if jax.process_index() == 0:
-        output.mkdir(parents=True, exist_ok=True)
-        if output not in (Path(args.load or ""), Path(args.resume or "")):  # those keep theirs
-            clear_folder(output)
-        print(f"output {output}/")
+    print(f"output {output}/")
     solved = SOLVED_RETURNS.get(env_id) if args.solved_return is None else args.solved_return
     obs_size = jax.eval_shape(env.reset, jax.random.key(0))[0].size
     environment = {"id": env_id, "obs_size": obs_size, "num_actions": env.num_actions}
@@ -1455,31 +1522,34 @@ def main(argv: list[str] | None = None) -> None:
         play = partial(greedy_episodes, env=env, network=network, num_episodes=config.eval_episodes)
         keys = jax.random.split(jax.random.key(config.seed), jax.tree.leaves(params)[0].shape[0])
         returns = np.asarray(jax.jit(jax.vmap(lambda k, p: play(k, p).mean()))(keys, params))
-        results = [scores(r, solved, config.seed) for r in returns.reshape(len(points), -1)]
         extra, stopped = {}, None
     else:
         out, extra, stopped = run_training(
             config, points, env, network, plan, env_id, output, args.checkpoint_every, checkpoint
         )
-        extra["steps_done"] = int(out["metrics"]["step"][0, -1])
-        params = out["params"]
-        curves = out["metrics"]["eval_return"].reshape(len(points), config.num_seeds, -1)
-        steps = out["metrics"]["step"][0]  # [evals]
-        results = [training_scores(c, steps, solved, config.seed) for c in curves]
-        returns = curves[:, :, -1].reshape(-1)
-    if jax.process_index() > 0:  # process 0 writes the results of every process
-        sys.exit(128 + stopped if stopped else 0)
-    summary = summarize(config, environment, points, results, **extra)
-    summary["wall_time_s"] = time.perf_counter() - start  # up to the training's end
-    if args.load:
-        write_json(output / "load_summary.json", summary)
-    else:
-        save_run(output, summary, points, out)
-        plot_run(output)
-        if not stopped:  # a finished run needs no checkpoint
-            (output / CHECKPOINT).unlink(missing_ok=True)
-    if args.render:
-        render_median(config, env, network, params, returns, output / "render.gif")
+    with written_whole():  # from here, a signal waits until the run is written
+        if args.load:
+            results = [scores(r, solved, config.seed) for r in returns.reshape(len(points), -1)]
+        else:
+            extra["steps_done"] = int(out["metrics"]["step"][0, -1])
+            params = out["params"]
+            curves = out["metrics"]["eval_return"].reshape(len(points), config.num_seeds, -1)
+            steps = out["metrics"]["step"][0]  # [evals]
+            results = [training_scores(c, steps, solved, config.seed) for c in curves]
+            returns = curves[:, :, -1].reshape(-1)
+        if jax.process_index() > 0:  # process 0 writes the results of every process
+            sys.exit(128 + stopped if stopped else 0)
+        summary = summarize(config, environment, points, results, **extra)
+        summary["wall_time_s"] = time.perf_counter() - start  # up to the training's end
+        if args.load:
+            write_json(output / "load_summary.json", summary)
+        else:
+            save_run(output, summary, points, out)
+            plot_run(output)
+            if not stopped:  # a finished run needs no checkpoint
+                (output / CHECKPOINT).unlink(missing_ok=True)
+        if args.render:
+            render_median(config, env, network, params, returns, output / "render.gif")
     name = "load_summary.json" if args.load else "summary.json"
     wall = f"wall {time.perf_counter() - start:.1f} s -> {output / name}"
     if len(points) == 1:

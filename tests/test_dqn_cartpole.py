@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 from functools import partial
+from pathlib import Path
 
 import gymnasium
 import gymnax
@@ -450,6 +451,9 @@ def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_
     loaded = json.loads((out_dir / "load_summary.json").read_text())
     assert len(loaded["final_eval_return"]) == 3 and loaded["config"]["env"] == "gymnax"
     assert (out_dir / "render.gif").read_bytes()[:3] == b"GIF"
+    # The loaded run, named another way as the output with --overwrite, keeps its files.
+    dqn.main(["--load", str(out_dir), "--output-dir", str(out_dir.resolve()), "--overwrite"])
+    assert (out_dir / "summary.json").exists() and (out_dir / "params.msgpack").exists()
 
     # curves.csv: one row per seed x evaluation (step 0 included), the summary's finals in it.
     with open(out_dir / "curves.csv") as file:
@@ -714,6 +718,16 @@ BAD_INPUTS = [
     (CLUSTER + ["--process-id", "2"], "--process-id"),
     (["--coordinator-address", "nohost", "--num-processes", "2", "--process-id", "1"], "HOST:PORT"),
     (CLUSTER + ["--process-id", "1", "--cluster-timeout", "0.5"], "--cluster-timeout"),
+    (CLUSTER + ["--process-id", "0", "--cluster-timeout", "nan"], "--cluster-timeout"),
+    (
+        ["--coordinator-address", "localhost:99999", "--num-processes", "2", "--process-id", "0"],
+        "HOST:PORT",
+    ),  # fmt: skip
+    # Counters are int32 and train() computes in float32: refused, not wrapped or rounded.
+    (["--train-frequency", "3000000000"], "--train-frequency"),
+    (["--gamma", "0.99999999999"], "--gamma"),  # 1.0 as a float32
+    (["--learning-rate", "1e-3,1e-3"], "--learning-rate"),  # two grid points the same
+    (["--solved-return", "nan"], "--solved-return"),
 ]
 
 
@@ -849,3 +863,28 @@ def test_resume_refuses_other_flags_and_a_folder_without_a_checkpoint(tmp_path, 
             dqn.main(argv)
         err = capsys.readouterr().err.strip()
         assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and flag in err, err
+
+
+# --- runs never mix, and what is written is written whole -----------------------------------
+
+
+def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path):
+    folders = [dqn.make_folder(str(tmp_path / "run_{time}")) for _ in range(3)]
+    assert len(set(folders)) == 3 and all(folder.is_dir() for folder in folders)
+
+
+def test_overwrite_refuses_a_folder_or_a_users_tmp_file_among_a_runs_files(tmp_path):
+    for name, make in (("summary.json", Path.mkdir), ("notes.tmp", Path.touch)):
+        folder = tmp_path / name.replace(".", "_")
+        folder.mkdir()
+        make(folder / name)
+        with pytest.raises(ValueError, match=f"also holds {name}"):
+            dqn.run_folder(str(folder), overwrite=True)
+
+
+def test_a_signal_while_writing_waits_until_the_run_is_written(tmp_path):
+    written = tmp_path / "file"
+    with pytest.raises(SystemExit) as exit_info, dqn.written_whole():
+        os.kill(os.getpid(), signal.SIGTERM)
+        written.write_text("whole")  # still written, after the signal came
+    assert exit_info.value.code == 128 + signal.SIGTERM and written.read_text() == "whole"
