@@ -579,10 +579,15 @@ def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int],
         "--hidden-sizes": 6 * num_params,  # params, target, Adam's two moments, grads, updates
         "--buffer-size": config.buffer_size * (2 * obs.size + 3),  # the replay buffer
         "--eval-every": 2 * (3 * block + 5),  # a block's keys
-        "--batch-size": 6 * config.batch_size * sum(widths),  # an update's activations
         "--eval-episodes": 4 * config.eval_episodes * (max(widths) + obs.size),  # evaluation
         "--total-timesteps": num_metrics,
     }
+    # An update's activations grow with the batch and the widths: named after the one further
+    # above its default, so that a refusal names the flag to lower.
+    default = Config()
+    wide = sum(widths) / sum(default.hidden_sizes) > config.batch_size / default.batch_size
+    name = "--hidden-sizes" if wide else "--batch-size"
+    words[name] = words.get(name, 0) + 6 * config.batch_size * sum(widths)
     # 4-byte words; x2 for the temporaries XLA keeps beside the loop.
     return {name: 2 * 4 * count for name, count in words.items()}, 4 * (num_params + num_metrics)
 
@@ -945,6 +950,11 @@ def load_checkpoint(folder: str) -> tuple[Config, list, tuple]:
             done = int(file["blocks_done"])
         saved = run["config"]
         config = Config(**{**saved, "hidden_sizes": tuple(saved["hidden_sizes"])})
+        for point in run["points"]:  # each a valid grid point (KeyError for a missing value)
+            grid_points({name: (float(point[name]),) for name in HParams._fields})
+        blocks = sum(count for _, count, _ in config.blocks)
+        if not run["points"] or not 0 <= done < blocks:
+            raise ValueError(f"{len(run['points'])} grid points, {done} of {blocks} blocks done")
     except Exception as error:
         raise ValueError(f"--resume {folder}: no checkpoint to resume from ({error})") from None
     return config, run["points"], (done, leaves, metrics)

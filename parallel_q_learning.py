@@ -187,14 +187,14 @@ def make_env(layout: str, max_episode_steps: int = 0) -> GridWorld:
             blocked = not (0 <= r2 < rows and 0 <= c2 < cols) or lines[r2][c2] == "#"
             next_cell[r * cols + c, action] = r * cols + c if blocked else r2 * cols + c2
     start, goal = "".join(lines).index("S"), "".join(lines).index("G")
-    # Shortest path: grow the set of cells reachable within k steps until it holds G.
-    reachable, shortest = np.arange(rows * cols) == start, 0
-    while not reachable[goal]:
-        grown = reachable.copy()
-        grown[next_cell[reachable]] = True
-        if np.array_equal(grown, reachable):
+    # Shortest path: breadth-first, the frontier is the cells first reached in k steps.
+    reached, frontier, shortest = np.arange(rows * cols) == start, np.array([start]), 0
+    while not reached[goal]:
+        frontier = np.unique(next_cell[frontier])
+        frontier = frontier[~reached[frontier]]
+        if frontier.size == 0:
             raise LayoutError("G cannot be reached from S")
-        reachable, shortest = grown, shortest + 1
+        reached[frontier], shortest = True, shortest + 1
     return GridWorld(rows, cols, next_cell, start, goal, shortest, max_episode_steps)
 
 

@@ -888,3 +888,15 @@ def test_a_signal_while_writing_waits_until_the_run_is_written(tmp_path):
         os.kill(os.getpid(), signal.SIGTERM)
         written.write_text("whole")  # still written, after the signal came
     assert exit_info.value.code == 128 + signal.SIGTERM and written.read_text() == "whole"
+
+
+def test_a_checkpoint_that_does_not_hold_together_is_one_line(tmp_path):
+    config = dataclasses.asdict(dqn.Config())
+    point = dqn.hparams_of(dqn.Config())
+    for points, done in (([], 0), ([point], 10**6), ([{"gamma": 0.9}], 0), ([point], -1)):
+        run = json.dumps({"config": config, "points": points})
+        np.savez(tmp_path / dqn.CHECKPOINT, run=run, blocks_done=done, **{
+            f"metrics_{name}": np.zeros((1, 1)) for name in dqn.CURVES
+        })  # fmt: skip
+        with pytest.raises(ValueError, match="no checkpoint to resume from"):
+            dqn.load_checkpoint(str(tmp_path))
