@@ -1127,8 +1127,8 @@ def check_coordinator(address: str, process_id: int, timeout: float) -> None:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 2**16:
         raise ValueError(f"--coordinator-address {address!r}: expected HOST:PORT, a port 1-65535")
-    if not 0 < timeout < math.inf:  # False for NaN
-        raise ValueError(f"--cluster-timeout must be > 0 and finite, got {timeout}")
+    if not 0 < timeout < 2**31:  # False for NaN; JAX takes whole seconds as an int32
+        raise ValueError(f"--cluster-timeout must be in (0, 2^31) seconds, got {timeout}")
     if process_id == 0:
         with socket.socket() as probe:
             # As the coordinator will: a port that a run just ended on (TIME_WAIT) is free.
@@ -1382,8 +1382,8 @@ def parse_command(argv: list[str] | None):
     given = {name: value for name, value in given.items() if value is not None}
     if args.checkpoint_every < 0:
         raise ValueError("--checkpoint-every must be >= 0")
-    if args.solved_return is not None and not math.isfinite(args.solved_return):
-        raise ValueError("--solved-return must be a finite number")
+    if args.solved_return is not None and not abs(args.solved_return) < 3.4e38:  # NaN too
+        raise ValueError("--solved-return must be a finite float32")
     if args.resume:  # the run goes on as it was started: no flag may change it
         others = [flag(name) for name in given] + ["--load"] * bool(args.load)
         others += [name for name in ("--replot", "--render", "--overwrite") if
@@ -1518,7 +1518,8 @@ def main(argv: list[str] | None = None) -> None:
                 raise ValueError(f"--output-dir: {error}") from None
             config = dataclasses.replace(config, output_dir=str(output))
             kept = {Path(run).resolve() for run in (args.load, args.resume) if run}
-            if output.resolve() not in kept:  # a loaded or resumed run keeps its files
+            replaced = output.resolve() not in kept  # a loaded or resumed run keeps its files
+            if replaced and not args.load:  # --load: just before writing, after evaluating
                 clear_folder(output)
     except (argparse.ArgumentError, ValueError, MemoryError, OSError) as error:
         print(f"dqn_cartpole.py: error: {error}", file=sys.stderr)
@@ -1531,7 +1532,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.load:  # fresh greedy episodes of the saved params; agent i plays split(key)[i]
         play = partial(greedy_episodes, env=env, network=network, num_episodes=config.eval_episodes)
         keys = jax.random.split(jax.random.key(config.seed), jax.tree.leaves(params)[0].shape[0])
-        returns = np.asarray(jax.jit(jax.vmap(lambda k, p: play(k, p).mean()))(keys, params))
+        try:
+            returns = np.asarray(jax.jit(jax.vmap(lambda k, p: play(k, p).mean()))(keys, params))
+        except BaseException:  # stopped: leave no empty folder (rmdir removes only an empty one)
+            with contextlib.suppress(OSError):
+                output.rmdir()
+            raise
         extra, stopped = {}, None
     else:
         out, extra, stopped = run_training(
@@ -1552,6 +1558,8 @@ def main(argv: list[str] | None = None) -> None:
         summary = summarize(config, environment, points, results, **extra)
         summary["wall_time_s"] = time.perf_counter() - start  # up to the training's end
         if args.load:
+            if replaced:
+                clear_folder(output)
             write_json(output / "load_summary.json", summary)
         else:
             save_run(output, summary, points, out)

@@ -78,9 +78,9 @@ class Config:
         if not -(2**63) <= self.seed < 2**63:  # what jax.random.key takes
             raise ConfigError("seed", f"must be a 64-bit integer, got {self.seed}")
         for name, valid, rule in (
-            ("learning_rates", lambda x: 0 < x <= 1, "in (0, 1]"),  # above 1 diverges to NaN
+            ("learning_rates", lambda x: 0 < x <= 1 and np.float32(x) > 0, "in (0, 1]"),
             ("epsilons", lambda x: 0 <= x <= 1, "in [0, 1]"),
-            ("gammas", lambda x: 0 <= x < 1, "in [0, 1)"),
+            ("gammas", lambda x: 0 <= x < 1 and np.float32(x) < 1, "in [0, 1) as a float32"),
         ):
             if not getattr(self, name):
                 raise ConfigError(name, "needs at least one value")
@@ -620,14 +620,15 @@ Z_95 = 1.96  # normal approximation of a 95% confidence interval of a mean
 
 
 def value_iteration(env: GridWorld, gamma: float) -> np.ndarray:
-    """Exact Q*[cells, actions]: Q*(s, a) = r + gamma * max Q*(s', .), with G terminal. With
-    deterministic moves and a reward only on entering G, it is exact once nothing moves."""
+    """Q*[cells, actions]: Q*(s, a) = r + gamma * max Q*(s', .), with G terminal. With
+    deterministic moves and a reward only on entering G, iteration k moves values of gamma^k at
+    most: stopped below 1e-12 (a long corridor would take a pass per cell)."""
     entered_goal = env.next_cell == env.goal
     q = np.zeros(env.next_cell.shape)
     for _ in range(env.num_cells + 1):  # longest possible shortest path, + 1 to confirm
         new_q = entered_goal + gamma * np.where(entered_goal, 0.0, q.max(axis=1)[env.next_cell])
-        if np.array_equal(new_q, q):
-            break
+        if np.abs(new_q - q).max() < 1e-12:
+            return new_q
         q = new_q
     return q
 
@@ -943,8 +944,8 @@ def check_coordinator(address: str, process_id: int, timeout: float) -> None:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 2**16:
         fail(f"--coordinator-address {address!r}: expected HOST:PORT, a port from 1 to 65535")
-    if not 0 < timeout < math.inf:  # False for NaN
-        fail(f"--cluster-timeout must be > 0 and finite, got {timeout}")
+    if not 0 < timeout < 2**31:  # False for NaN; JAX takes whole seconds as an int32
+        fail(f"--cluster-timeout must be in (0, 2^31) seconds, got {timeout}")
     if process_id == 0:
         with socket.socket() as probe:
             # As the coordinator will: a port that a run just ended on (TIME_WAIT) is free.
@@ -1037,6 +1038,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         result, timings = run_sweep(config, env, schedule, mesh, chunks)
+        rows = summarize_grid(config, env, result)
     except BaseException:  # stopped: leave no empty folder (rmdir removes only an empty one)
         with contextlib.suppress(OSError):
             output.rmdir()
@@ -1046,7 +1048,6 @@ def main(argv: list[str] | None = None) -> None:
         f"compile {timings['compile_time_s']:.1f} s, train {timings['train_time_s']:.2f} s: "
         f"{rate / 1e6:.1f}M agent-steps/s ({config.total_timesteps} steps per agent)"
     )
-    rows = summarize_grid(config, env, result)
     print("optimal: share of seeds whose final greedy path from S is a shortest path; path: its")
     print("mean length (one that never reaches G counts as the cell count); V*: value iteration")
     print(f"{'lr':>6} {'eps':>6} {'gamma':>6} {'optimal':>8} {'path':>7} {'|V(S)-V*(S)|':>13}")

@@ -60,18 +60,17 @@ class Config:
         # Checked here, not only in the command line, so make_train never sees a bad config.
         parse_layout(self.layout)  # raises ValueError with a one-line reason
         for name, valid, rule in (
-            ("total_timesteps", self.total_timesteps >= 1, "at least 1"),
             # The step and episode counters are int32, jax's default.
-            ("total_timesteps", self.total_timesteps < 2**31, "below 2^31"),
+            ("total_timesteps", 1 <= self.total_timesteps < 2**31, "in [1, 2^31)"),
             ("num_seeds", self.num_seeds >= 1, "at least 1"),
             ("steps_per_block", self.steps_per_block >= 1, "at least 1"),
             ("num_curve_points", self.num_curve_points >= 1, "at least 1"),
             ("num_recorded_episodes", self.num_recorded_episodes >= 1, "at least 1"),
             ("max_episode_steps", 0 <= self.max_episode_steps < 2**31, "in [0, 2^31)"),
             ("epsilon", 0.0 <= self.epsilon <= 1.0, "in [0, 1]"),
-            ("gamma", 0.0 <= self.gamma < 1.0, "in [0, 1)"),
+            ("gamma", 0 <= self.gamma < 1 and np.float32(self.gamma) < 1, "in [0, 1) in float32"),
             ("initial_q", abs(self.initial_q) < 3.4e38, "below 3.4e38 in size (a float32)"),
-            ("learning_rate", 0.0 < self.learning_rate <= 1.0, "in (0, 1]"),  # False for NaN
+            ("learning_rate", 1e-38 <= self.learning_rate <= 1.0, "in [1e-38, 1]"),  # NaN: False
             ("seed", -(2**63) <= self.seed < 2**63, "a 64-bit integer"),  # jax.random.key
         ):
             if not valid:
