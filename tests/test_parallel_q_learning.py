@@ -609,28 +609,3 @@ def test_a_signal_during_training_is_one_line_and_its_exit_code(tmp_path, signum
     assert returncode == code and "Traceback" not in printed, printed
     assert last.endswith("unfinished; no file half-written") and "stopped by" in last, printed
     assert not output.exists() or not any(output.iterdir())
-
-
-# --- runs never mix, and what is written is written whole -----------------------------------
-
-
-def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path):
-    folders = [pq.make_folder(str(tmp_path / "run_{time}")) for _ in range(3)]
-    assert len(set(folders)) == 3 and all(folder.is_dir() for folder in folders)
-
-
-def test_overwrite_refuses_a_folder_or_a_users_tmp_file_among_a_runs_files(tmp_path):
-    for name, make in (("summary.json", Path.mkdir), ("notes.tmp", Path.touch)):
-        folder = tmp_path / name.replace(".", "_")
-        folder.mkdir()
-        make(folder / name)
-        with pytest.raises(ValueError, match=f"also holds {name}"):
-            pq.run_folder(str(folder), overwrite=True)
-
-
-def test_a_signal_while_writing_waits_until_the_run_is_written(tmp_path):
-    written = tmp_path / "file"
-    with pytest.raises(SystemExit) as exit_info, pq.written_whole():
-        os.kill(os.getpid(), signal.SIGTERM)
-        written.write_text("whole")  # still written, after the signal came
-    assert exit_info.value.code == 128 + signal.SIGTERM and written.read_text() == "whole"

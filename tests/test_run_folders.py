@@ -1,0 +1,37 @@
+"""What the three scripts share by design (each has its own copy): run folders that never mix,
+and writes that a signal does not cut."""
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+import dqn_cartpole
+import parallel_q_learning
+import q_learning_gridworld
+
+SCRIPTS = [q_learning_gridworld, dqn_cartpole, parallel_q_learning]
+pytestmark = pytest.mark.parametrize("script", SCRIPTS, ids=lambda module: module.__name__)
+
+
+def test_runs_started_in_the_same_second_get_their_own_folders(script, tmp_path):
+    folders = [script.make_folder(str(tmp_path / "run_{time}")) for _ in range(3)]
+    assert len(set(folders)) == 3 and all(folder.is_dir() for folder in folders)
+
+
+def test_overwrite_refuses_a_folder_or_a_users_tmp_file_among_a_runs_files(script, tmp_path):
+    for name, make in (("summary.json", Path.mkdir), ("notes.tmp", Path.touch)):
+        folder = tmp_path / name.replace(".", "_")
+        folder.mkdir()
+        make(folder / name)
+        with pytest.raises(ValueError, match=f"also holds {name}"):
+            script.run_folder(str(folder), overwrite=True)
+
+
+def test_a_signal_while_writing_waits_until_the_run_is_written(script, tmp_path):
+    written = tmp_path / "file"
+    with pytest.raises(SystemExit) as exit_info, script.written_whole():
+        os.kill(os.getpid(), signal.SIGTERM)
+        written.write_text("whole")  # still written, after the signal came
+    assert exit_info.value.code == 128 + signal.SIGTERM and written.read_text() == "whole"
