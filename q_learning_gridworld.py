@@ -353,6 +353,7 @@ def make_train(config: Config, env: GridWorld | None = None):
 import argparse
 import contextlib
 import csv
+import fcntl
 import itertools
 import json
 import platform
@@ -771,19 +772,32 @@ def run_folder(template: str, overwrite: bool) -> str:
     return template
 
 
+LOCKED = {}  # folder -> the descriptor whose lock this process holds until it ends
+
+
 def make_folder(folder: str) -> Path:
-    """Make the run's folder. `{time}` becomes the start time, then _2, _3 while another run
-    holds that name: mkdir is atomic, so two runs started in the same second never share one."""
+    """Make the run's folder and lock it. `{time}` becomes the start time, then _2, _3 while
+    another run holds that name: mkdir is atomic, so two runs started in the same second never
+    share one. A folder named outright that another running run has locked is an OSError."""
+    path, stamp = Path(folder), time.strftime("%Y-%m-%d_%H-%M-%S")
     if "{time}" not in folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        return Path(folder)
-    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-    for copy in itertools.count(1):
-        path = Path(folder.replace("{time}", stamp if copy == 1 else f"{stamp}_{copy}"))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            path.mkdir()
-            return path
+        path.mkdir(parents=True, exist_ok=True)
+    else:
+        for copy in itertools.count(1):
+            path = Path(folder.replace("{time}", stamp if copy == 1 else f"{stamp}_{copy}"))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                path.mkdir()
+                break
+    key = path.resolve()
+    if key not in LOCKED:  # flock: the system releases it when this process ends
+        LOCKED[key] = os.open(key, os.O_RDONLY)
+        try:
+            fcntl.flock(LOCKED[key], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(LOCKED.pop(key))
+            raise OSError(f"{path} is in use by another run that has not ended") from None
+    return path
 
 
 def clear_folder(folder: Path) -> None:

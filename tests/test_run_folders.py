@@ -1,6 +1,7 @@
-"""What the three scripts share by design (each has its own copy): run folders that never mix,
-and writes that a signal does not cut."""
+"""What the three scripts share by design (each has its own copy): run folders that never mix
+(made atomically, locked while a run writes), and writes that a signal does not cut."""
 
+import fcntl
 import os
 import signal
 from pathlib import Path
@@ -18,6 +19,17 @@ pytestmark = pytest.mark.parametrize("script", SCRIPTS, ids=lambda module: modul
 def test_runs_started_in_the_same_second_get_their_own_folders(script, tmp_path):
     folders = [script.make_folder(str(tmp_path / "run_{time}")) for _ in range(3)]
     assert len(set(folders)) == 3 and all(folder.is_dir() for folder in folders)
+
+
+def test_a_folder_that_another_running_run_writes_to_is_refused(script, tmp_path):
+    held = os.open(tmp_path, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as another run's make_folder holds it
+    try:
+        with pytest.raises(OSError, match="in use by another run"):
+            script.make_folder(str(tmp_path))
+    finally:
+        os.close(held)  # that run ended
+    assert script.make_folder(str(tmp_path)) == tmp_path
 
 
 def test_overwrite_refuses_a_folder_or_a_users_tmp_file_among_a_runs_files(script, tmp_path):
