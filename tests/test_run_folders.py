@@ -47,3 +47,12 @@ def test_a_signal_while_writing_waits_until_the_run_is_written(script, tmp_path)
         os.kill(os.getpid(), signal.SIGTERM)
         written.write_text("whole")  # still written, after the signal came
     assert exit_info.value.code == 128 + signal.SIGTERM and written.read_text() == "whole"
+
+
+def test_replot_of_a_damaged_run_is_one_line(script, tmp_path, capsys):
+    for name in script.RUN_FILES:  # every file a run needs, none of them readable
+        (tmp_path / name).write_text("{bad")
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--replot", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "--replot" in err[0], err
