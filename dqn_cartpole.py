@@ -196,13 +196,15 @@ class QNetwork(nn.Module):
 
     @nn.compact
     def __call__(self, obs: jax.Array) -> jax.Array:  # [..., obs] -> [..., actions]
+        # Full float32 products: a GPU's default (TF32) solved 1.6 points fewer seeds (README)
+        dense = partial(nn.Dense, precision=jax.lax.Precision.HIGHEST)
         x = obs
         for width in self.hidden_sizes:
-            x = nn.Dense(width)(x)
+            x = dense(width)(x)
             if self.layer_norm:
                 x = nn.LayerNorm()(x)
             x = nn.relu(x)
-        return nn.Dense(self.num_actions)(x)
+        return dense(self.num_actions)(x)
 
 
 # ---- Replay buffer: pure functions over fixed-size arrays ----------------------------------

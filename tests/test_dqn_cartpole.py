@@ -336,6 +336,27 @@ def test_memory_estimate_takes_sizes_from_the_network():
     assert bytes_per_seed(wide) - bytes_per_seed(small) >= 6 * 4 * extra_params
 
 
+def test_every_product_of_the_network_asks_for_full_float32():
+    """A GPU multiplies float32 matrices in TF32 unless told otherwise, which solved fewer seeds
+    (README): every product of the network, forward and backward, asks for HIGHEST."""
+    network = dqn.QNetwork(hidden_sizes=(16, 16), num_actions=2, layer_norm=True)
+    obs = jnp.ones((8, 4))
+    params = network.init(jax.random.key(0), obs)
+    grad = jax.make_jaxpr(jax.grad(lambda p: network.apply(p, obs).sum()))(params)
+
+    def products(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield eqn.params["precision"]
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from products(sub)
+
+    precisions = list(products(grad.jaxpr))
+    assert len(precisions) >= 6  # three layers forward, their weight gradients
+    highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    assert all(p == highest for p in precisions), precisions
+
+
 def test_cpu_runs_seeds_in_cache_sized_batches():
     config = dataclasses.replace(TINY, num_seeds=4 * dqn.CPU_SEEDS_PER_BATCH)  # 2 per device
     plan = dqn.plan_seeds(config.num_seeds, bytes_per_seed(config))
