@@ -792,6 +792,21 @@ def test_cli_error_from_a_fresh_process_has_no_traceback():
     ]
 
 
+def test_default_xla_flags_shard_over_every_core_and_ask_a_gpu_for_determinism():
+    """Without the user's XLA_FLAGS the script shows one CPU device per core and adds the GPU
+    determinism flag, which XLA's CPU backend must accept too (it aborts on unknown flags)."""
+    code = (
+        "import os, dqn_cartpole, jax; "
+        "print(jax.device_count(), os.cpu_count(), os.environ['XLA_FLAGS'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                            cwd=dqn.__file__.rsplit("/", 1)[0])  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    devices, cores, *flags = result.stdout.split()
+    assert devices == cores and "--xla_gpu_deterministic_ops=true" in flags
+
+
 def test_gymnax_is_used_for_env_gymnax():
     assert isinstance(dqn.make_env("gymnax"), type(gymnax.make("CartPole-v1")[0]))
 
