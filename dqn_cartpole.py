@@ -548,6 +548,8 @@ def grid_points(lists: dict[str, tuple[float, ...]]) -> list[dict[str, float]]:
             raise ValueError(f"{flag(name)} {problem}")
         if not all(valid(value) for value in float32):  # 1 - 1e-9 is 1 in float32, 1e-46 is 0
             raise ValueError(f"{flag(name)} {problem} as a float32, what train() computes with")
+        if any(0 < abs(value) < np.finfo(np.float32).tiny for value in float32):  # 1e-40
+            raise ValueError(f"{flag(name)}: below 1.2e-38, float32 values are 0 to XLA")
         if len(set(float32)) < len(values):  # two grid points that could not be told apart
             raise ValueError(f"{flag(name)} lists a value twice")
     return [dict(zip(lists, values, strict=True)) for values in itertools.product(*lists.values())]
@@ -869,14 +871,19 @@ CURVES = ("step", "eval_return", "train_return", "loss")  # curves.csv's columns
 @contextlib.contextmanager
 def atomic_open(path: Path, mode: str = "w"):
     """Write to a temporary name beside path, then rename: no reader sees half a file."""
-    temporary = path.with_name(f".{path.name}.tmp")
     try:
-        with open(temporary, mode) as file:
+        with open(temporary(path), mode) as file:
             yield file
     except BaseException:  # an error, Ctrl-C: no temporary file left behind
-        temporary.unlink(missing_ok=True)
+        temporary(path).unlink(missing_ok=True)
         raise
-    os.replace(temporary, path)
+    os.replace(temporary(path), path)
+
+
+def temporary(path: Path) -> Path:
+    """Where a file is written before it is renamed to `path` (the suffix last: a writer may
+    pick the format by it)."""
+    return path.with_name(f".{path.stem}.tmp{path.suffix}")
 
 
 @contextlib.contextmanager
@@ -1120,9 +1127,8 @@ def render_median(config: Config, env, network, params, returns: np.ndarray, pat
         ax.set_title(f"agent {median}: return {float(total[0]):.0f}  step {2 * i}")
         return cart, line
 
-    temporary = path.with_name(f".{path.stem}.tmp{path.suffix}")  # Pillow picks GIF by suffix
-    FuncAnimation(fig, draw, frames=len(frames)).save(temporary, writer=PillowWriter(fps=25))
-    os.replace(temporary, path)
+    FuncAnimation(fig, draw, frames=len(frames)).save(temporary(path), writer=PillowWriter(fps=25))
+    os.replace(temporary(path), path)
     plt.close(fig)
 
 
@@ -1418,6 +1424,8 @@ def run_folder(template: str, overwrite: bool) -> str:
     if not template:  # "" would write into the current folder
         raise ValueError("--output-dir must name a folder, not be empty")
     if "{time}" in template:
+        if Path(template).name == "..":  # its folder always exists: no new name to make
+            raise ValueError(f"--output-dir {template} must not end in '..'")
         return template
     try:
         held = sorted(Path(template).iterdir())
@@ -1427,7 +1435,7 @@ def run_folder(template: str, overwrite: bool) -> str:
         held = []
     if held and not overwrite:
         raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")
-    ours = {*RUN_NAMES, *(f".{name}.tmp" for name in RUN_NAMES)}  # atomic_open's temporaries
+    ours = {*RUN_NAMES, *(temporary(Path(name)).name for name in RUN_NAMES)}
     if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
         raise ValueError(f"--overwrite replaces a run only; {template} also holds {foreign[0]}")
     return template
@@ -1462,9 +1470,11 @@ def make_folder(folder: str) -> Path:
 
 
 def clear_folder(folder: Path) -> None:
-    """Remove a previous run's files (run_folder allowed nothing else), after every check."""
-    for entry in folder.iterdir():
-        entry.unlink()
+    """Remove a previous run's files, after every check; nothing else (a file put there meanwhile
+    stays)."""
+    for name in RUN_NAMES:
+        for path in (folder / name, temporary(folder / name)):
+            path.unlink(missing_ok=True)
 
 
 def check_run(config: Config, output: Path) -> None:
@@ -1586,21 +1596,22 @@ def main(argv: list[str] | None = None) -> None:
                 (output / CHECKPOINT).unlink(missing_ok=True)
         if args.render:
             render_median(config, env, network, params, returns, output / "render.gif")
-    name = "load_summary.json" if args.load else "summary.json"
-    wall = f"wall {time.perf_counter() - start:.1f} s -> {output / name}"
-    if len(points) == 1:
-        scored = score_line(results[0], solved)
-        print(f"final greedy return of {plural(len(returns), 'seed')}: {scored}; {wall}")
-    else:
-        print("grid points, best first (by solved share, then IQM):")
-        for rank, g in enumerate(ranked(results), start=1):
-            print(f"{rank:>3}. {point_labels(points)[g]}: {score_line(results[g], solved)}")
-        print(wall)
-    if stopped:
-        steps = f"{extra['steps_done']:,} of {config.total_timesteps:,} steps"
-        print(f"dqn_cartpole.py: stopped by {SIGNALS[stopped]} after {steps}, saved in {output}/; "
-              f"to go on: python dqn_cartpole.py --resume {output}", file=sys.stderr)  # fmt: skip
-        sys.exit(128 + stopped)
+        name = "load_summary.json" if args.load else "summary.json"
+        wall = f"wall {time.perf_counter() - start:.1f} s -> {output / name}"
+        if len(points) == 1:
+            scored = score_line(results[0], solved)
+            print(f"final greedy return of {plural(len(returns), 'seed')}: {scored}; {wall}")
+        else:
+            print("grid points, best first (by solved share, then IQM):")
+            for rank, g in enumerate(ranked(results), start=1):
+                print(f"{rank:>3}. {point_labels(points)[g]}: {score_line(results[g], solved)}")
+            print(wall)
+        if stopped:
+            steps = f"{extra['steps_done']:,} of {config.total_timesteps:,} steps"
+            hint = f"to go on: python dqn_cartpole.py --resume {output}"
+            print(f"dqn_cartpole.py: stopped by {SIGNALS[stopped]} after {steps}, saved in "
+                  f"{output}/; {hint}", file=sys.stderr)  # fmt: skip
+            sys.exit(128 + stopped)
 
 
 class Stopped(Exception):

@@ -78,17 +78,17 @@ class Config:
         if not -(2**63) <= self.seed < 2**63:  # what jax.random.key takes
             raise ConfigError("seed", f"must be a 64-bit integer, got {self.seed}")
         for name, valid, rule in (
-            ("learning_rates", lambda x: 0 < x <= 1 and np.float32(x) > 0, "in (0, 1]"),
+            ("learning_rates", lambda x: 1.2e-38 <= x <= 1, "in [1.2e-38, 1]"),  # less is 0 to XLA
             ("epsilons", lambda x: 0 <= x <= 1, "in [0, 1]"),
             ("gammas", lambda x: 0 <= x < 1 and np.float32(x) < 1, "in [0, 1) as a float32"),
         ):
             if not getattr(self, name):
                 raise ConfigError(name, "needs at least one value")
-            if len(set(getattr(self, name))) < len(getattr(self, name)):  # two equal grid points
-                raise ConfigError(name, f"lists a value twice: {getattr(self, name)}")
             for value in getattr(self, name):
                 if not valid(value):  # False for NaN
                     raise ConfigError(name, f"each value must be {rule}, got {value}")
+            if len(set(np.float32(getattr(self, name)))) < len(getattr(self, name)):
+                raise ConfigError(name, f"lists a value twice (in float32): {getattr(self, name)}")
 
 
 class HParams(NamedTuple):
@@ -687,14 +687,19 @@ SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 @contextlib.contextmanager
 def atomic_open(path: Path, mode: str = "w"):
     """Write to a temporary name beside path, then rename: no reader sees half a file."""
-    temporary = path.with_name(f".{path.name}.tmp")
     try:
-        with open(temporary, mode) as file:
+        with open(temporary(path), mode) as file:
             yield file
     except BaseException:  # an error, Ctrl-C: no temporary file left behind
-        temporary.unlink(missing_ok=True)
+        temporary(path).unlink(missing_ok=True)
         raise
-    os.replace(temporary, path)
+    os.replace(temporary(path), path)
+
+
+def temporary(path: Path) -> Path:
+    """Where a file is written before it is renamed to `path` (the suffix last: a writer may
+    pick the format by it)."""
+    return path.with_name(f".{path.stem}.tmp{path.suffix}")
 
 
 @contextlib.contextmanager
@@ -903,6 +908,8 @@ def run_folder(template: str, overwrite: bool) -> str:
     if not template:  # "" would write into the current folder
         raise ValueError("--output-dir must name a folder, not be empty")
     if "{time}" in template:
+        if Path(template).name == "..":  # its folder always exists: no new name to make
+            raise ValueError(f"--output-dir {template} must not end in '..'")
         return template
     try:
         held = sorted(Path(template).iterdir())
@@ -912,7 +919,7 @@ def run_folder(template: str, overwrite: bool) -> str:
         held = []
     if held and not overwrite:
         raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")
-    ours = {*RUN_NAMES, *(f".{name}.tmp" for name in RUN_NAMES)}  # atomic_open's temporaries
+    ours = {*RUN_NAMES, *(temporary(Path(name)).name for name in RUN_NAMES)}
     if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
         raise ValueError(f"--overwrite replaces a run only; {template} also holds {foreign[0]}")
     return template
@@ -947,9 +954,11 @@ def make_folder(folder: str) -> Path:
 
 
 def clear_folder(folder: Path) -> None:
-    """Remove a previous run's files (run_folder allowed nothing else), just before writing."""
-    for entry in folder.iterdir():
-        entry.unlink()
+    """Remove a previous run's files, just before writing; nothing else (a file put there meanwhile
+    stays)."""
+    for name in RUN_NAMES:
+        for path in (folder / name, temporary(folder / name)):
+            path.unlink(missing_ok=True)
 
 
 def check_coordinator(address: str, process_id: int, timeout: float) -> None:

@@ -70,7 +70,8 @@ class Config:
             ("epsilon", 0.0 <= self.epsilon <= 1.0, "in [0, 1]"),
             ("gamma", 0 <= self.gamma < 1 and np.float32(self.gamma) < 1, "in [0, 1) in float32"),
             ("initial_q", abs(self.initial_q) < 3.4e38, "below 3.4e38 in size (a float32)"),
-            ("learning_rate", 1e-38 <= self.learning_rate <= 1.0, "in [1e-38, 1]"),  # NaN: False
+            # NaN: False; below float32's smallest normal number, XLA computes with 0
+            ("learning_rate", 1.2e-38 <= self.learning_rate <= 1.0, "in [1.2e-38, 1]"),
             ("seed", -(2**63) <= self.seed < 2**63, "a 64-bit integer"),  # jax.random.key
         ):
             if not valid:
@@ -552,14 +553,19 @@ def expected_episode_length(env: GridWorld, epsilon: float, gamma: float) -> flo
 @contextlib.contextmanager
 def atomic_open(path: Path, mode: str = "w"):
     """Write to a temporary name beside path, then rename: no reader sees half a file."""
-    temporary = path.with_name(f".{path.name}.tmp")
     try:
-        with open(temporary, mode) as file:
+        with open(temporary(path), mode) as file:
             yield file
     except BaseException:  # an error, Ctrl-C: no temporary file left behind
-        temporary.unlink(missing_ok=True)
+        temporary(path).unlink(missing_ok=True)
         raise
-    os.replace(temporary, path)
+    os.replace(temporary(path), path)
+
+
+def temporary(path: Path) -> Path:
+    """Where a file is written before it is renamed to `path` (the suffix last: a writer may
+    pick the format by it)."""
+    return path.with_name(f".{path.stem}.tmp{path.suffix}")
 
 
 @contextlib.contextmanager
@@ -757,6 +763,8 @@ def run_folder(template: str, overwrite: bool) -> str:
     if not template:  # "" would write into the current folder
         raise ValueError("--output-dir must name a folder, not be empty")
     if "{time}" in template:
+        if Path(template).name == "..":  # its folder always exists: no new name to make
+            raise ValueError(f"--output-dir {template} must not end in '..'")
         return template
     try:
         held = sorted(Path(template).iterdir())
@@ -766,7 +774,7 @@ def run_folder(template: str, overwrite: bool) -> str:
         held = []
     if held and not overwrite:
         raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")
-    ours = {*RUN_NAMES, *(f".{name}.tmp" for name in RUN_NAMES)}  # atomic_open's temporaries
+    ours = {*RUN_NAMES, *(temporary(Path(name)).name for name in RUN_NAMES)}
     if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
         raise ValueError(f"--overwrite replaces a run only; {template} also holds {foreign[0]}")
     return template
@@ -801,9 +809,11 @@ def make_folder(folder: str) -> Path:
 
 
 def clear_folder(folder: Path) -> None:
-    """Remove a previous run's files (run_folder allowed nothing else), just before writing."""
-    for entry in folder.iterdir():
-        entry.unlink()
+    """Remove a previous run's files, just before writing; nothing else (a file put there meanwhile
+    stays)."""
+    for name in RUN_NAMES:
+        for path in (folder / name, temporary(folder / name)):
+            path.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -839,11 +849,11 @@ def main(argv: list[str] | None = None) -> None:
         out, timings = train_seeds(
             make_train(config, env), config.seed, config.num_seeds, batch_size
         )
+        summary = summarize(config, env, out["q_values"], timings)
     except BaseException:  # stopped: leave no empty folder (rmdir removes only an empty one)
         with contextlib.suppress(OSError):
             output_dir.rmdir()
         raise
-    summary = summarize(config, env, out["q_values"], timings)
     seeds, seed_0 = plural(config.num_seeds, "seed"), summary["seeds"][0]
     print(
         f"compile {timings['compile_time_s']:.2f} s, train {timings['train_time_s']:.3f} s, "

@@ -746,6 +746,8 @@ BAD_INPUTS = [
     # Counters are int32 and train() computes in float32: refused, not wrapped or rounded.
     (["--train-frequency", "3000000000"], "--train-frequency"),
     (["--gamma", "0.99999999999"], "--gamma"),  # 1.0 as a float32
+    (["--learning-rate", "1e-40"], "--learning-rate"),  # below float32's normal numbers: 0 to XLA
+    (["--tau", "1e-39"], "--tau"),
     (["--learning-rate", "1e-3,1e-3"], "--learning-rate"),  # two grid points the same
     (["--solved-return", "nan"], "--solved-return"),
 ]
@@ -799,7 +801,7 @@ def test_default_xla_flags_shard_over_every_core_and_ask_a_gpu_for_determinism()
         "import os, dqn_cartpole, jax; "
         "print(jax.device_count(), os.cpu_count(), os.environ['XLA_FLAGS'])"
     )
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                             cwd=dqn.__file__.rsplit("/", 1)[0])  # fmt: skip
     assert result.returncode == 0, result.stderr

@@ -331,6 +331,8 @@ CLUSTER = ["--coordinator-address", "127.0.0.1:9", "--num-processes", "2"]
         (["--max-episode-steps", str(2**31)], "--max-episode-steps"),  # int32 counters
         (["--gammas", "0.9,0.9"], "--gammas"),  # two grid points the same
         (["--gammas", "0.99999999999"], "--gammas"),  # 1.0 as a float32
+        (["--gammas", "0.9,0.9000000001"], "--gammas"),  # the same float32
+        (["--learning-rates", "1e-39"], "--learning-rates"),  # below normal float32s: 0 to XLA
     ],
 )
 def test_cli_errors_are_one_line_and_write_nothing(tmp_path, capsys, argv, flag):

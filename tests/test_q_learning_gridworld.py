@@ -498,6 +498,7 @@ BAD_FLAGS = [
     (["--initial-q", "1e39"], "--initial-q"),  # inf as a float32
     (["--gamma", "0.99999999999"], "--gamma"),  # 1.0 as a float32
     (["--learning-rate", "1e-46"], "--learning-rate"),  # 0 as a float32
+    (["--learning-rate", "1e-38"], "--learning-rate"),  # below normal float32s: 0 to XLA
     (["--max-episode-steps", str(2**31)], "--max-episode-steps"),  # int32 counters
     (["--seed", str(2**63)], "--seed"),  # beyond what jax.random.key takes
     (["--no-such-flag", "1"], "--no-such-flag"),

@@ -16,9 +16,12 @@ SCRIPTS = [q_learning_gridworld, dqn_cartpole, parallel_q_learning]
 pytestmark = pytest.mark.parametrize("script", SCRIPTS, ids=lambda module: module.__name__)
 
 
-def test_runs_started_in_the_same_second_get_their_own_folders(script, tmp_path):
+def test_runs_started_in_the_same_second_get_their_own_folders(script, tmp_path, monkeypatch):
+    monkeypatch.setattr(script.time, "strftime", lambda _: "now")  # the same second, surely
     folders = [script.make_folder(str(tmp_path / "run_{time}")) for _ in range(3)]
-    assert len(set(folders)) == 3 and all(folder.is_dir() for folder in folders)
+    assert [folder.name for folder in folders] == ["run_now", "run_now_2", "run_now_3"]
+    with pytest.raises(ValueError, match="must not end in '..'"):  # it would never be new
+        script.run_folder(str(tmp_path / "run_{time}" / ".."), overwrite=False)
 
 
 def test_a_folder_that_another_running_run_writes_to_is_refused(script, tmp_path):
@@ -39,6 +42,15 @@ def test_overwrite_refuses_a_folder_or_a_users_tmp_file_among_a_runs_files(scrip
         make(folder / name)
         with pytest.raises(ValueError, match=f"also holds {name}"):
             script.run_folder(str(folder), overwrite=True)
+
+
+def test_overwrite_removes_a_runs_files_and_nothing_else(script, tmp_path):
+    for name in script.RUN_NAMES:  # a run's files, and temporaries of a write that was cut
+        (tmp_path / name).touch()
+        script.temporary(tmp_path / name).touch()
+    (tmp_path / "notes.md").touch()  # put there while the new run trained
+    script.clear_folder(tmp_path)
+    assert [path.name for path in tmp_path.iterdir()] == ["notes.md"]
 
 
 def test_a_signal_while_writing_waits_until_the_run_is_written(script, tmp_path):
