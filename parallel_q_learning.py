@@ -908,8 +908,8 @@ def run_folder(template: str, overwrite: bool) -> str:
     if not template:  # "" would write into the current folder
         raise ValueError("--output-dir must name a folder, not be empty")
     if "{time}" in template:
-        if Path(template).name == "..":  # its folder always exists: no new name to make
-            raise ValueError(f"--output-dir {template} must not end in '..'")
+        if ".." in Path(template).parts:  # {time}/.. names a folder that exists: never new
+            raise ValueError(f"--output-dir {template}: '..' and {{time}} together are refused")
         return template
     try:
         held = sorted(Path(template).iterdir())
@@ -933,15 +933,22 @@ def make_folder(folder: str) -> Path:
     another run holds that name: mkdir is atomic, so two runs started in the same second never
     share one. A folder named outright that another running run has locked is an OSError."""
     path, stamp = Path(folder), time.strftime("%Y-%m-%d_%H-%M-%S")
-    if "{time}" not in folder:
-        path.mkdir(parents=True, exist_ok=True)
-    else:
-        for copy in itertools.count(1):
-            path = Path(folder.replace("{time}", stamp if copy == 1 else f"{stamp}_{copy}"))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(FileExistsError):
-                path.mkdir()
-                break
+    new = [p for p in Path(folder.replace("{time}", stamp)).parents if not p.exists()]
+    try:
+        if "{time}" not in folder:
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            for copy in itertools.count(1):
+                path = Path(folder.replace("{time}", stamp if copy == 1 else f"{stamp}_{copy}"))
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with contextlib.suppress(FileExistsError):
+                    path.mkdir()
+                    break
+    except OSError:  # a name the OS refuses, say: remove the parents made for it
+        for parent in new:  # nearest first; rmdir removes only an empty folder
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+        raise
     key = path.resolve()
     if key not in LOCKED:  # flock: the system releases it when this process ends
         LOCKED[key] = os.open(key, os.O_RDONLY)
@@ -965,10 +972,10 @@ def check_coordinator(address: str, process_id: int, timeout: float) -> None:
     """One-line errors for a cluster that cannot form: JAX would abort with a C++ trace. Process 0
     must be able to listen on the port; the others wait up to `timeout` s for it to listen."""
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 2**16:
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 2**16:
         fail(f"--coordinator-address {address!r}: expected HOST:PORT, a port from 1 to 65535")
-    if not 0 < timeout < 2**31:  # False for NaN; JAX takes whole seconds as an int32
-        fail(f"--cluster-timeout must be in (0, 2^31) seconds, got {timeout}")
+    if not 1 <= timeout < 2**31:  # False for NaN; JAX takes whole seconds as an int32
+        fail(f"--cluster-timeout must be in [1, 2^31) seconds, got {timeout}")
     if process_id == 0:
         with socket.socket() as probe:
             # As the coordinator will: a port that a run just ended on (TIME_WAIT) is free.
@@ -1008,7 +1015,9 @@ def join_cluster(coordinator_address, num_processes, process_id, cluster_timeout
     elif any(value is None for value in flags):
         fail("--coordinator-address, --num-processes and --process-id go together")
     else:
-        if num_processes < 1 or not 0 <= process_id < num_processes:
+        if not 1 <= num_processes < 2**31:  # what JAX's cluster service takes
+            fail(f"--num-processes must be in [1, 2^31), got {num_processes}")
+        if not 0 <= process_id < num_processes:
             fail(f"--process-id must be in [0, --num-processes), got {process_id}")
         check_coordinator(coordinator_address, process_id, cluster_timeout)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes gather
@@ -1123,7 +1132,9 @@ def rank(argv: list[str]) -> int:
     ranks = [os.environ.get(name) for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK")]
     given = [flags.parse_known_args(argv)[0].process_id, *ranks]
     rank = next((r for r in given if r is not None), "0")
-    return int(rank) if rank.isdigit() else 0  # a bad --process-id: main says so, in one line
+    return (
+        int(rank) if rank.isascii() and rank.isdigit() else 0
+    )  # a bad --process-id: main says so, in one line
 
 
 def die_with_parent() -> None:
@@ -1163,6 +1174,8 @@ if __name__ == "__main__":
     try:
         main()
     except (KeyboardInterrupt, Stopped) as interrupt:
+        for signum in SIGNALS:  # a second signal (a process group's, say) must not cut this line
+            signal.signal(signum, signal.SIG_IGN)
         code, cause = (143, "SIGTERM") if isinstance(interrupt, Stopped) else (130, "Ctrl-C")
         message = f"parallel_q_learning.py: stopped by {cause}, unfinished; no file half-written"
         print(message, file=sys.stderr, flush=True)

@@ -763,8 +763,8 @@ def run_folder(template: str, overwrite: bool) -> str:
     if not template:  # "" would write into the current folder
         raise ValueError("--output-dir must name a folder, not be empty")
     if "{time}" in template:
-        if Path(template).name == "..":  # its folder always exists: no new name to make
-            raise ValueError(f"--output-dir {template} must not end in '..'")
+        if ".." in Path(template).parts:  # {time}/.. names a folder that exists: never new
+            raise ValueError(f"--output-dir {template}: '..' and {{time}} together are refused")
         return template
     try:
         held = sorted(Path(template).iterdir())
@@ -788,15 +788,22 @@ def make_folder(folder: str) -> Path:
     another run holds that name: mkdir is atomic, so two runs started in the same second never
     share one. A folder named outright that another running run has locked is an OSError."""
     path, stamp = Path(folder), time.strftime("%Y-%m-%d_%H-%M-%S")
-    if "{time}" not in folder:
-        path.mkdir(parents=True, exist_ok=True)
-    else:
-        for copy in itertools.count(1):
-            path = Path(folder.replace("{time}", stamp if copy == 1 else f"{stamp}_{copy}"))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(FileExistsError):
-                path.mkdir()
-                break
+    new = [p for p in Path(folder.replace("{time}", stamp)).parents if not p.exists()]
+    try:
+        if "{time}" not in folder:
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            for copy in itertools.count(1):
+                path = Path(folder.replace("{time}", stamp if copy == 1 else f"{stamp}_{copy}"))
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with contextlib.suppress(FileExistsError):
+                    path.mkdir()
+                    break
+    except OSError:  # a name the OS refuses, say: remove the parents made for it
+        for parent in new:  # nearest first; rmdir removes only an empty folder
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+        raise
     key = path.resolve()
     if key not in LOCKED:  # flock: the system releases it when this process ends
         LOCKED[key] = os.open(key, os.O_RDONLY)
@@ -887,6 +894,8 @@ if __name__ == "__main__":
     try:
         main()
     except (KeyboardInterrupt, Stopped) as interrupt:
+        for signum in SIGNALS:  # a second signal (a process group's, say) must not cut this line
+            signal.signal(signum, signal.SIG_IGN)
         code, cause = (143, "SIGTERM") if isinstance(interrupt, Stopped) else (130, "Ctrl-C")
         message = f"q_learning_gridworld.py: stopped by {cause}, unfinished; no file half-written"
         print(message, file=sys.stderr, flush=True)

@@ -738,6 +738,18 @@ BAD_INPUTS = [
     (CLUSTER + ["--process-id", "2"], "--process-id"),
     (["--coordinator-address", "nohost", "--num-processes", "2", "--process-id", "1"], "HOST:PORT"),
     (CLUSTER + ["--process-id", "1", "--cluster-timeout", "0.5"], "--cluster-timeout"),
+    (CLUSTER[:2] + ["--num-processes", str(2**31), "--process-id", "0"], "--num-processes"),
+    (
+        [
+            "--coordinator-address",
+            "localhost:\u0665\u0665",
+            "--num-processes",
+            "1",
+            "--process-id",
+            "0",
+        ],
+        "HOST:PORT",
+    ),  # fmt: skip
     (CLUSTER + ["--process-id", "0", "--cluster-timeout", "nan"], "--cluster-timeout"),
     (
         ["--coordinator-address", "localhost:99999", "--num-processes", "2", "--process-id", "0"],
@@ -748,6 +760,10 @@ BAD_INPUTS = [
     (["--gamma", "0.99999999999"], "--gamma"),  # 1.0 as a float32
     (["--learning-rate", "1e-40"], "--learning-rate"),  # below float32's normal numbers: 0 to XLA
     (["--tau", "1e-39"], "--tau"),
+    (["--train-frequency", "2147483647"], "--train-frequency"),  # no update would ever run
+    (["--replot", ""], "--replot"),  # an empty folder name reads as not given
+    (["--load", ""], "--load"),
+    (["--resume", ""], "--resume"),
     (["--learning-rate", "1e-3,1e-3"], "--learning-rate"),  # two grid points the same
     (["--solved-return", "nan"], "--solved-return"),
 ]

@@ -20,8 +20,16 @@ def test_runs_started_in_the_same_second_get_their_own_folders(script, tmp_path,
     monkeypatch.setattr(script.time, "strftime", lambda _: "now")  # the same second, surely
     folders = [script.make_folder(str(tmp_path / "run_{time}")) for _ in range(3)]
     assert [folder.name for folder in folders] == ["run_now", "run_now_2", "run_now_3"]
-    with pytest.raises(ValueError, match="must not end in '..'"):  # it would never be new
-        script.run_folder(str(tmp_path / "run_{time}" / ".."), overwrite=False)
+    for template in ("run_{time}/..", "run_{time}/../x"):  # names that would never be new
+        with pytest.raises(ValueError, match="'..' and {time} together"):
+            script.run_folder(str(tmp_path / template), overwrite=False)
+
+
+def test_a_folder_name_the_os_refuses_leaves_no_parent_folder_behind(script, tmp_path):
+    for template in ("a/b/" + "x" * 300, "a/b/{time}_" + "x" * 300):  # too long a name
+        with pytest.raises(OSError):
+            script.make_folder(str(tmp_path / template))
+        assert list(tmp_path.iterdir()) == []
 
 
 def test_a_folder_that_another_running_run_writes_to_is_refused(script, tmp_path):
