@@ -967,6 +967,11 @@ def load_checkpoint(folder: str) -> tuple[Config, list, tuple]:
         blocks = sum(count for _, count, _ in config.blocks)
         if not run["points"] or not 0 <= done < blocks:
             raise ValueError(f"{len(run['points'])} grid points, {done} of {blocks} blocks done")
+        agents = {len(x) for x in (*leaves, *metrics.values())}  # padded agents, each array
+        evals = {m.shape[1:] for m in metrics.values()}  # step 0 and one a block done
+        too_few = min(agents) < len(run["points"]) * config.num_seeds
+        if len(agents) > 1 or too_few or evals != {(done + 1,)}:
+            raise ValueError("its arrays do not hold the same agents and blocks")
     except Exception as error:
         raise ValueError(f"--resume {folder}: no checkpoint to resume from ({error})") from None
     return config, run["points"], (done, leaves, metrics)

@@ -921,10 +921,17 @@ def test_resume_refuses_other_flags_and_a_folder_without_a_checkpoint(tmp_path, 
 def test_a_checkpoint_that_does_not_hold_together_is_one_line(tmp_path):
     config = dataclasses.asdict(dqn.Config())
     point = dqn.hparams_of(dqn.Config())
-    for points, done in (([], 0), ([point], 10**6), ([{"gamma": 0.9}], 0), ([point], -1)):
+    seeds = config["num_seeds"]
+    for points, done, evals in (
+        ([], 0, 1),
+        ([point], 10**6, 1),
+        ([{"gamma": 0.9}], 0, 1),
+        ([point], -1, 1),
+        ([point], 1, 1),  # one block done, but metrics of step 0 only
+    ):
         run = json.dumps({"config": config, "points": points})
         np.savez(tmp_path / dqn.CHECKPOINT, run=run, blocks_done=done, **{
-            f"metrics_{name}": np.zeros((1, 1)) for name in dqn.CURVES
+            f"metrics_{name}": np.zeros((seeds, evals)) for name in dqn.CURVES
         })  # fmt: skip
         with pytest.raises(ValueError, match="no checkpoint to resume from"):
             dqn.load_checkpoint(str(tmp_path))
