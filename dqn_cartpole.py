@@ -1335,8 +1335,9 @@ class StopRequest:
             os.kill(os.getpid(), signum)
             return
         self.signum = signum
-        print(f"dqn_cartpole.py: {SIGNALS[signum]}: stopping after the block in progress, saved "
-              "(again to stop at once)", file=sys.stderr, flush=True)  # fmt: skip
+        then = "the run stops once the block in progress ends, and is saved"
+        print(f"dqn_cartpole.py: {SIGNALS[signum]}: {then} (again to stop at once, unsaved)",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     def asked(self) -> bool:
         """Whether any process of the run was asked to stop."""
@@ -1694,6 +1695,9 @@ if __name__ == "__main__":
     except (KeyboardInterrupt, Stopped) as interrupt:
         for signum in SIGNALS:  # a second signal (a process group's, say) must not cut this line
             signal.signal(signum, signal.SIG_IGN)
+        for folder in LOCKED:  # stopped before the run saved anything: no empty folder left
+            with contextlib.suppress(OSError):  # rmdir removes only an empty one
+                folder.rmdir()
         code, cause = (143, "SIGTERM") if isinstance(interrupt, Stopped) else (130, "Ctrl-C")
         message = f"dqn_cartpole.py: stopped by {cause}, unfinished; no file half-written"
         print(message, file=sys.stderr, flush=True)

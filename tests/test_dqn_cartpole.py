@@ -906,6 +906,23 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path):
     assert steps[:21] == [*range(0, 9_501, 500), 9_734]
 
 
+def test_stopped_at_once_before_anything_was_saved_leaves_no_folder(tmp_path):
+    """Ctrl-C twice while the first block compiles: the second stops the run at once (exit 130,
+    no traceback), and its folder, still empty, is removed."""
+    folder = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-u", dqn.__file__, *RESUME_ARGS, "--output-dir", str(folder)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    printed = []
+    for line in process.stdout:
+        printed.append(line)
+        if "at once per device" in line or "the run stops once" in line:
+            process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=120) == 130 and "Traceback" not in "".join(printed), printed
+    assert not folder.exists()
+
+
 def test_resume_refuses_other_flags_and_a_folder_without_a_checkpoint(tmp_path, capsys):
     for argv, flag in [
         (["--resume", str(tmp_path)], "--resume"),
