@@ -1284,8 +1284,9 @@ def load_run(folder: str) -> tuple[Config, Any, list | None]:
     return config, params, grid
 
 
-def check_params(params, network: QNetwork, env, folder: str) -> None:
-    """ValueError unless `params` are one network's per seed: its names and shapes [seeds, ...]."""
+def check_params(params, network: QNetwork, env, folder: str, agents: int) -> None:
+    """ValueError unless `params` are one network's per agent (its names and shapes [agents, ...]),
+    as many as its summary says."""
     obs = jax.eval_shape(env.reset, jax.random.key(0))[0]
     shapes = jax.eval_shape(network.init, jax.random.key(0), obs)
     wanted = [(jax.tree_util.keystr(k), x.shape) for k, x in jax.tree.leaves_with_path(shapes)]
@@ -1294,6 +1295,8 @@ def check_params(params, network: QNetwork, env, folder: str) -> None:
     ]
     if wanted != saved:
         raise ValueError(f"--load {folder}: its params.msgpack is not its own env's and network's")
+    if {len(x) for x in jax.tree.leaves(params)} != {agents}:
+        raise ValueError(f"--load {folder}: its params.msgpack does not hold its {agents} agents")
 
 
 def with_run(saved: Config, given: dict, folder: str) -> dict:
@@ -1556,7 +1559,7 @@ def main(argv: list[str] | None = None) -> None:
         check_run(config, output)
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
         if args.load:  # the saved params must be this env's and network's: [seeds, ...] each
-            check_params(params, network, env, args.load)
+            check_params(params, network, env, args.load, len(points) * config.num_seeds)
         terms, result_bytes = memory_need(config, env, network)
         check_memory(terms, result_bytes, len(points) * config.num_seeds)
         need = sum(terms.values())

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from functools import partial
 
+import flax
 import gymnasium
 import gymnax
 import jax
@@ -904,6 +905,20 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path):
     lines = (whole / "curves.csv").read_text().splitlines()
     steps = [int(row["step"]) for row in csv.DictReader(lines)]
     assert steps[:21] == [*range(0, 9_501, 500), 9_734]
+
+
+def test_load_refuses_params_of_fewer_agents_than_the_summary_says(tmp_path, capsys):
+    network = dqn.QNetwork(TINY.hidden_sizes, 2, TINY.layer_norm)
+    init = jax.vmap(lambda key: network.init(key, jnp.zeros(4)))
+    params = init(jax.random.split(jax.random.key(0), TINY.num_seeds - 1))  # one seed short
+    (tmp_path / "params.msgpack").write_bytes(flax.serialization.msgpack_serialize(params))
+    config = dataclasses.asdict(TINY) | {"output_dir": str(tmp_path)}
+    (tmp_path / "summary.json").write_text(json.dumps({"config": config}))
+    (tmp_path / "curves.csv").write_text("seed,step\n")
+    with pytest.raises(SystemExit) as exit_info:
+        dqn.main(["--load", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and f"its {TINY.num_seeds} agents" in err[0]
 
 
 def test_stopped_at_once_before_anything_was_saved_leaves_no_folder(tmp_path):
