@@ -983,7 +983,10 @@ def read_curves(output: Path, summary: dict) -> dict[str, np.ndarray]:
         rows = list(csv.DictReader(file))
     shape = (len(summary.get("grid", [None])), summary["config"]["num_seeds"], -1)
     number = lambda text: float(text) if text else np.nan  # noqa: E731
-    return {name: np.array([number(r[name]) for r in rows]).reshape(shape) for name in CURVES}
+    curves = {name: np.array([number(r[name]) for r in rows]).reshape(shape) for name in CURVES}
+    if (curves["step"] != curves["step"][:1, :1]).any():  # rows cut off or mixed up
+        raise ValueError("curves.csv does not hold the same evaluations for every seed")
+    return curves
 
 
 def plot_run(output: Path) -> Path:

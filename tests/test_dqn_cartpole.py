@@ -907,6 +907,17 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path):
     assert steps[:21] == [*range(0, 9_501, 500), 9_734]
 
 
+def test_curves_cut_short_are_refused_not_drawn(tmp_path):
+    rows = ["seed,step,eval_return,train_return,loss", "0,0,9,,", "0,500,20,15,0.5"]
+    rows += ["1,0,8,,", "1,500,30,12,0.4"]
+    summary = {"config": {"num_seeds": 2}}
+    (tmp_path / "curves.csv").write_text("\n".join(rows))
+    assert dqn.read_curves(tmp_path, summary)["step"].shape == (1, 2, 2)
+    (tmp_path / "curves.csv").write_text("\n".join(rows[:3]))  # seed 0's rows only
+    with pytest.raises(ValueError, match="the same evaluations for every seed"):
+        dqn.read_curves(tmp_path, summary)
+
+
 def test_load_refuses_params_of_fewer_agents_than_the_summary_says(tmp_path, capsys):
     network = dqn.QNetwork(TINY.hidden_sizes, 2, TINY.layer_norm)
     init = jax.vmap(lambda key: network.init(key, jnp.zeros(4)))
