@@ -548,7 +548,7 @@ def grid_points(lists: dict[str, tuple[float, ...]]) -> list[dict[str, float]]:
             raise ValueError(f"{flag(name)} {problem}")
         if not all(valid(value) for value in float32):  # 1 - 1e-9 is 1 in float32, 1e-46 is 0
             raise ValueError(f"{flag(name)} {problem} as a float32, what train() computes with")
-        if any(0 < abs(value) < np.finfo(np.float32).tiny for value in float32):  # 1e-40
+        if any(0 < abs(value) < np.finfo(np.float32).tiny for value in float32):  # 1e-40, say
             raise ValueError(f"{flag(name)}: below 1.2e-38, float32 values are 0 to XLA")
         if len(set(float32)) < len(values):  # two grid points that could not be told apart
             raise ValueError(f"{flag(name)} lists a value twice")
@@ -1494,8 +1494,8 @@ def make_folder(folder: str) -> Path:
 
 
 def clear_folder(folder: Path) -> None:
-    """Remove a previous run's files, after every check; nothing else (a file put there meanwhile
-    stays)."""
+    """After every check, remove a previous run's files, and nothing else: a file put there
+    meanwhile stays."""
     for name in RUN_NAMES:
         for path in (folder / name, temporary(folder / name)):
             path.unlink(missing_ok=True)
@@ -1561,7 +1561,7 @@ def main(argv: list[str] | None = None) -> None:
         config = dataclasses.replace(config, output_dir=str(output))
         check_run(config, output)
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
-        if args.load:  # the saved params must be this env's and network's: [seeds, ...] each
+        if args.load:  # the saved params must be this env's and network's, one per agent
             check_params(params, network, env, args.load, len(points) * config.num_seeds)
         terms, result_bytes = memory_need(config, env, network)
         check_memory(terms, result_bytes, len(points) * config.num_seeds)
@@ -1657,9 +1657,9 @@ def rank(argv: list[str]) -> int:
     ranks = [os.environ.get(name) for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK")]
     given = [flags.parse_known_args(argv)[0].process_id, *ranks]
     rank = next((r for r in given if r is not None), "0")
-    return (
-        int(rank) if rank.isascii() and rank.isdigit() else 0
-    )  # a bad --process-id: main says so, in one line
+    if not (rank.isascii() and rank.isdigit()):  # a bad --process-id: main says so, in one line
+        return 0
+    return int(rank)
 
 
 def die_with_parent() -> None:

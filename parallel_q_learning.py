@@ -961,8 +961,8 @@ def make_folder(folder: str) -> Path:
 
 
 def clear_folder(folder: Path) -> None:
-    """Remove a previous run's files, just before writing; nothing else (a file put there meanwhile
-    stays)."""
+    """Just before writing, remove a previous run's files, and nothing else: a file put there
+    meanwhile stays."""
     for name in RUN_NAMES:
         for path in (folder / name, temporary(folder / name)):
             path.unlink(missing_ok=True)
@@ -1132,9 +1132,9 @@ def rank(argv: list[str]) -> int:
     ranks = [os.environ.get(name) for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK")]
     given = [flags.parse_known_args(argv)[0].process_id, *ranks]
     rank = next((r for r in given if r is not None), "0")
-    return (
-        int(rank) if rank.isascii() and rank.isdigit() else 0
-    )  # a bad --process-id: main says so, in one line
+    if not (rank.isascii() and rank.isdigit()):  # a bad --process-id: main says so, in one line
+        return 0
+    return int(rank)
 
 
 def die_with_parent() -> None:

@@ -816,8 +816,8 @@ def make_folder(folder: str) -> Path:
 
 
 def clear_folder(folder: Path) -> None:
-    """Remove a previous run's files, just before writing; nothing else (a file put there meanwhile
-    stays)."""
+    """Just before writing, remove a previous run's files, and nothing else: a file put there
+    meanwhile stays."""
     for name in RUN_NAMES:
         for path in (folder / name, temporary(folder / name)):
             path.unlink(missing_ok=True)
