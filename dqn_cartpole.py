@@ -1459,6 +1459,7 @@ def run_folder(template: str, overwrite: bool) -> str:
 
 
 LOCKED = {}  # folder -> the descriptor whose lock this process holds until it ends
+MADE = {}  # folder -> the parent folders make_folder made for it, nearest first
 
 
 def make_folder(folder: str) -> Path:
@@ -1490,6 +1491,7 @@ def make_folder(folder: str) -> Path:
         except BlockingIOError:
             os.close(LOCKED.pop(key))
             raise OSError(f"{path} is in use by another run that has not ended") from None
+    MADE[key] = new
     return path
 
 
@@ -1499,6 +1501,13 @@ def clear_folder(folder: Path) -> None:
     for name in RUN_NAMES:
         for path in (folder / name, temporary(folder / name)):
             path.unlink(missing_ok=True)
+
+
+def remove_if_empty(folder: Path) -> None:
+    """A stopped run's folder, and the parents made for it, removed if nothing was written."""
+    for path in (folder, *MADE.get(folder.resolve(), [])):
+        with contextlib.suppress(OSError):  # rmdir removes only an empty folder
+            path.rmdir()
 
 
 def check_run(config: Config, output: Path) -> None:
@@ -1590,9 +1599,8 @@ def main(argv: list[str] | None = None) -> None:
         keys = jax.random.split(jax.random.key(config.seed), jax.tree.leaves(params)[0].shape[0])
         try:
             returns = np.asarray(jax.jit(jax.vmap(lambda k, p: play(k, p).mean()))(keys, params))
-        except BaseException:  # stopped: leave no empty folder (rmdir removes only an empty one)
-            with contextlib.suppress(OSError):
-                output.rmdir()
+        except BaseException:  # stopped: leave no empty folder
+            remove_if_empty(output)
             raise
         extra, stopped = {}, None
     else:
@@ -1702,8 +1710,7 @@ if __name__ == "__main__":
         for signum in SIGNALS:  # a second signal (a process group's, say) must not cut this line
             signal.signal(signum, signal.SIG_IGN)
         for folder in LOCKED:  # stopped before the run saved anything: no empty folder left
-            with contextlib.suppress(OSError):  # rmdir removes only an empty one
-                folder.rmdir()
+            remove_if_empty(folder)
         code, cause = (143, "SIGTERM") if isinstance(interrupt, Stopped) else (130, "Ctrl-C")
         message = f"dqn_cartpole.py: stopped by {cause}, unfinished; no file half-written"
         print(message, file=sys.stderr, flush=True)

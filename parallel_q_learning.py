@@ -926,6 +926,7 @@ def run_folder(template: str, overwrite: bool) -> str:
 
 
 LOCKED = {}  # folder -> the descriptor whose lock this process holds until it ends
+MADE = {}  # folder -> the parent folders make_folder made for it, nearest first
 
 
 def make_folder(folder: str) -> Path:
@@ -957,6 +958,7 @@ def make_folder(folder: str) -> Path:
         except BlockingIOError:
             os.close(LOCKED.pop(key))
             raise OSError(f"{path} is in use by another run that has not ended") from None
+    MADE[key] = new
     return path
 
 
@@ -966,6 +968,13 @@ def clear_folder(folder: Path) -> None:
     for name in RUN_NAMES:
         for path in (folder / name, temporary(folder / name)):
             path.unlink(missing_ok=True)
+
+
+def remove_if_empty(folder: Path) -> None:
+    """A stopped run's folder, and the parents made for it, removed if nothing was written."""
+    for path in (folder, *MADE.get(folder.resolve(), [])):
+        with contextlib.suppress(OSError):  # rmdir removes only an empty folder
+            path.rmdir()
 
 
 def check_coordinator(address: str, process_id: int, timeout: float) -> None:
@@ -1071,9 +1080,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result, timings = run_sweep(config, env, schedule, mesh, chunks)
         rows = summarize_grid(config, env, result)
-    except BaseException:  # stopped: leave no empty folder (rmdir removes only an empty one)
-        with contextlib.suppress(OSError):
-            output.rmdir()
+    except BaseException:  # stopped: leave no empty folder
+        remove_if_empty(output)
         raise
     rate = num_agents * config.total_timesteps / timings["train_time_s"]
     print(

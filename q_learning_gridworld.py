@@ -781,6 +781,7 @@ def run_folder(template: str, overwrite: bool) -> str:
 
 
 LOCKED = {}  # folder -> the descriptor whose lock this process holds until it ends
+MADE = {}  # folder -> the parent folders make_folder made for it, nearest first
 
 
 def make_folder(folder: str) -> Path:
@@ -812,6 +813,7 @@ def make_folder(folder: str) -> Path:
         except BlockingIOError:
             os.close(LOCKED.pop(key))
             raise OSError(f"{path} is in use by another run that has not ended") from None
+    MADE[key] = new
     return path
 
 
@@ -821,6 +823,13 @@ def clear_folder(folder: Path) -> None:
     for name in RUN_NAMES:
         for path in (folder / name, temporary(folder / name)):
             path.unlink(missing_ok=True)
+
+
+def remove_if_empty(folder: Path) -> None:
+    """A stopped run's folder, and the parents made for it, removed if nothing was written."""
+    for path in (folder, *MADE.get(folder.resolve(), [])):
+        with contextlib.suppress(OSError):  # rmdir removes only an empty folder
+            path.rmdir()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -857,9 +866,8 @@ def main(argv: list[str] | None = None) -> None:
             make_train(config, env), config.seed, config.num_seeds, batch_size
         )
         summary = summarize(config, env, out["q_values"], timings)
-    except BaseException:  # stopped: leave no empty folder (rmdir removes only an empty one)
-        with contextlib.suppress(OSError):
-            output_dir.rmdir()
+    except BaseException:  # stopped: leave no empty folder
+        remove_if_empty(output_dir)
         raise
     seeds, seed_0 = plural(config.num_seeds, "seed"), summary["seeds"][0]
     print(

@@ -32,6 +32,18 @@ def test_a_folder_name_the_os_refuses_leaves_no_parent_folder_behind(script, tmp
         assert list(tmp_path.iterdir()) == []
 
 
+def test_a_stopped_run_leaves_no_empty_folder_nor_the_parents_made_for_it(script, tmp_path):
+    (tmp_path / "kept").mkdir()  # there before the run: stays, even empty
+    script.remove_if_empty(script.make_folder(str(tmp_path / "kept/a/b/run")))
+    assert list(tmp_path.iterdir()) == [tmp_path / "kept"] and not any(
+        (tmp_path / "kept").iterdir()
+    )
+    written = script.make_folder(str(tmp_path / "c/run")) / "summary.json"
+    written.touch()
+    script.remove_if_empty(written.parent)  # something was written: nothing removed
+    assert written.exists()
+
+
 def test_a_folder_that_another_running_run_writes_to_is_refused(script, tmp_path):
     held = os.open(tmp_path, os.O_RDONLY)
     fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as another run's make_folder holds it
