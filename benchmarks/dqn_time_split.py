@@ -13,8 +13,9 @@ them, the same for the yardstick (benchmarks/article_dqn.py): its whole train an
 alone (squared error, Adam, no clipping) on the same batch. Then our update split: the
 gradient alone (forward and backward passes, no clipping or Adam) and its two forward passes
 alone; and the three matrix products of one 64x64 layer on a batch of 32 (forward, input
-gradient, weight gradient) with their GFLOP/s: where the backward pass's time goes. The
-settings are benchmarks/dqn_cartpole.py's (MLP 64-64-64, batch 32, buffer 512, no LayerNorm).
+gradient, weight gradient, the last also on a copy of x^T as dqn_cartpole.matmul runs it) with
+their GFLOP/s: where the backward pass's time goes. The settings are benchmarks/dqn_cartpole.py's
+(MLP 64-64-64, batch 32, buffer 512, no LayerNorm).
 
 --profile: instead, the update's compiled XLA ops, the slowest first, timed by XLA's own trace
 events (jax.profiler), each with its output shape and the JAX operation it comes from.
@@ -37,6 +38,7 @@ if "--profile" in sys.argv:  # XLA's CPU ops then emit trace events, one per op 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import article_dqn as article  # noqa: E402  (the yardstick, next to this file)
+import distrax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
@@ -108,7 +110,10 @@ def parts(steps: int) -> dict:
             x, w = jax.random.normal(key, (32, 64)), jax.random.normal(key, (64, 64))
 
             def body(x, _):  # x changes every step: XLA cannot hoist the product out
-                y = jnp.einsum(equation, x, w if equation != "bi,bj->ij" else x)
+                if equation == "ib,bj->ij":  # x^T dy on a copy of x^T, as dqn_cartpole.matmul
+                    y = jnp.einsum(equation, jax.lax.optimization_barrier(x.T), x)
+                else:
+                    y = jnp.einsum(equation, x, w if equation != "bi,bj->ij" else x)
                 return x + 1e-3 * y.mean(), None
 
             return jax.lax.scan(body, x, None, length=steps)[0]
@@ -120,7 +125,7 @@ def parts(steps: int) -> dict:
 
         def body(total, key):
             q_values = network.apply(params, jax.random.normal(key, (4,)))
-            return total + dqn.epsilon_greedy(key, q_values, 0.1), None
+            return total + distrax.EpsilonGreedy(q_values, 0.1).sample(seed=key), None
 
         return jax.lax.scan(body, 0, jax.random.split(key, steps))[0]
 
@@ -158,6 +163,7 @@ def parts(steps: int) -> dict:
         "a 64x64 layer, forward x W": product("bi,ij->bj"),
         "a 64x64 layer, input gradient dy W^T": product("bj,ij->bi"),
         "a 64x64 layer, weight gradient x^T dy": product("bi,bj->ij"),
+        "  a 64x64 layer, the same on a copy of x^T": product("ib,bj->ij"),
     }
 
 
