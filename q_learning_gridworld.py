@@ -777,17 +777,21 @@ def run_folder(template: str, overwrite: bool) -> str:
     ours = {*RUN_NAMES, *(temporary(Path(name)).name for name in RUN_NAMES)}
     if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
         raise ValueError(f"--overwrite replaces a run only; {template} also holds {foreign[0]}")
+    # make_folder looks again once it holds the lock: a run may end there meanwhile.
+    FOUND_EMPTY[Path(template).resolve()] = not held
     return template
 
 
 LOCKED = {}  # folder -> the descriptor whose lock this process holds until it ends
 MADE = {}  # folder -> the parent folders make_folder made for it, nearest first
+FOUND_EMPTY = {}  # folder named outright -> run_folder found it empty (or not there yet)
 
 
 def make_folder(folder: str) -> Path:
     """Make the run's folder and lock it. `{time}` becomes the start time, then _2, _3 while
     another run holds that name: mkdir is atomic, so two runs started in the same second never
-    share one. A folder named outright that another running run has locked is an OSError."""
+    share one. A folder named outright is an OSError if another running run has locked it, or
+    if a run that has ended wrote there since run_folder found it empty."""
     path, stamp = Path(folder), time.strftime("%Y-%m-%d_%H-%M-%S")
     new = [p for p in Path(folder.replace("{time}", stamp)).parents if not p.exists()]
     try:
@@ -813,6 +817,9 @@ def make_folder(folder: str) -> Path:
         except BlockingIOError:
             os.close(LOCKED.pop(key))
             raise OSError(f"{path} is in use by another run that has not ended") from None
+        if FOUND_EMPTY.pop(key, False) and any(key.iterdir()):  # a run ended there meanwhile
+            os.close(LOCKED.pop(key))
+            raise OSError(f"{path} now holds another run's files; --overwrite replaces them")
     MADE[key] = new
     return path
 

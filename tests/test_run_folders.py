@@ -55,6 +55,27 @@ def test_a_folder_that_another_running_run_writes_to_is_refused(script, tmp_path
     assert script.make_folder(str(tmp_path)) == tmp_path
 
 
+def test_a_run_that_ends_between_the_check_and_the_lock_is_not_replaced(script, tmp_path):
+    for folder in (tmp_path / "there", tmp_path / "not_yet"):  # an empty folder, and none
+        if folder.name == "there":
+            folder.mkdir()
+        script.run_folder(str(folder), overwrite=False)  # empty: this run may use it
+        folder.mkdir(exist_ok=True)
+        (folder / "summary.json").write_text("another run's")  # that run ends, unlocking it
+        with pytest.raises(OSError, match="now holds another run's files"):
+            script.make_folder(str(folder))
+        assert (folder / "summary.json").read_text() == "another run's"
+        free = os.open(folder, os.O_RDONLY)
+        fcntl.flock(free, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the refused run let its lock go
+        os.close(free)
+    full = tmp_path / "full"
+    script.run_folder(str(full), overwrite=False)  # a check whose run went no further
+    full.mkdir()
+    (full / "summary.json").touch()
+    script.run_folder(str(full), overwrite=True)  # the next run, asked to replace that one
+    assert script.make_folder(str(full)) == full
+
+
 def test_overwrite_refuses_a_folder_or_a_users_tmp_file_among_a_runs_files(script, tmp_path):
     for name, make in (("summary.json", Path.mkdir), ("notes.tmp", Path.touch)):
         folder = tmp_path / name.replace(".", "_")
