@@ -1510,6 +1510,17 @@ def clear_folder(folder: Path) -> None:
             path.unlink(missing_ok=True)
 
 
+def check_backend() -> None:
+    """JAX_PLATFORMS naming a platform this machine lacks fails at JAX's first use of a device,
+    with a traceback: one line instead, before any work."""
+    try:
+        jax.devices()
+    except Exception as error:  # a RuntimeError, or an AssertionError for a missing cuda
+        detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        platforms = os.environ.get("JAX_PLATFORMS")
+        raise ValueError(f"JAX_PLATFORMS={platforms!r}: no JAX backend ({detail})") from None
+
+
 def remove_if_empty(folder: Path) -> None:
     """A stopped run's folder, and the parents made for it, removed if nothing was written."""
     for path in (folder, *MADE.get(folder.resolve(), [])):
@@ -1562,6 +1573,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.replot:
             return replot(args.replot)
         join_cluster(args)
+        check_backend()
         if jax.process_index() > 0:  # process 0 reports and writes for the whole cluster
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
         env_id, env = gymnax_id(config.env), make_env(config.env)

@@ -977,6 +977,16 @@ def clear_folder(folder: Path) -> None:
             path.unlink(missing_ok=True)
 
 
+def check_backend() -> None:
+    """JAX_PLATFORMS naming a platform this machine lacks fails at JAX's first use of a device,
+    with a traceback: one line instead, before any work."""
+    try:
+        jax.devices()
+    except Exception as error:  # a RuntimeError, or an AssertionError for a missing cuda
+        detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        fail(f"JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}: no JAX backend ({detail})")
+
+
 def remove_if_empty(folder: Path) -> None:
     """A stopped run's folder, and the parents made for it, removed if nothing was written."""
     for path in (folder, *MADE.get(folder.resolve(), [])):
@@ -1045,6 +1055,7 @@ def join_cluster(coordinator_address, num_processes, process_id, cluster_timeout
             initialization_timeout=int(cluster_timeout),
             heartbeat_timeout_seconds=int(cluster_timeout),
         )
+    check_backend()
     if jax.process_index() > 0:  # process 0 reports and writes for the whole cluster
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115
 

@@ -832,6 +832,16 @@ def clear_folder(folder: Path) -> None:
             path.unlink(missing_ok=True)
 
 
+def check_backend() -> None:
+    """JAX_PLATFORMS naming a platform this machine lacks fails at JAX's first use of a device,
+    with a traceback: one line instead, before any work."""
+    try:
+        jax.devices()
+    except Exception as error:  # a RuntimeError, or an AssertionError for a missing cuda
+        detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        fail(f"JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}: no JAX backend ({detail})")
+
+
 def remove_if_empty(folder: Path) -> None:
     """A stopped run's folder, and the parents made for it, removed if nothing was written."""
     for path in (folder, *MADE.get(folder.resolve(), [])):
@@ -850,6 +860,7 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as error:  # a damaged file: one line, not a traceback
             fail(f"--replot {config}: cannot redraw ({type(error).__name__}: {error})"[:300])
         return print(f"redrew {path} from the files saved there (no training)")
+    check_backend()
     env = GridWorld(config.layout, config.max_episode_steps)
     check_memory(config, env)
     try:  # before training, so that a bad --output-dir costs no training

@@ -1,9 +1,12 @@
 """What the three scripts share by design (each has its own copy): run folders that never mix
-(made atomically, locked while a run writes), and writes that a signal does not cut."""
+(made atomically, locked while a run writes), writes that a signal does not cut, and one line
+for a JAX platform the machine lacks."""
 
 import fcntl
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,3 +112,17 @@ def test_replot_of_a_damaged_run_is_one_line(script, tmp_path, capsys):
         script.main(["--replot", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and "--replot" in err[0], err
+
+
+def test_a_jax_platform_this_machine_lacks_is_one_line(script, tmp_path):
+    output = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, script.__file__, "--output-dir", str(output)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "nosuchplatform"},
+    )
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(err) == 1, err
+    assert "JAX_PLATFORMS='nosuchplatform': no JAX backend" in err[0]
+    assert not output.exists()
