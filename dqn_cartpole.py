@@ -51,8 +51,7 @@ class Config:
     seed: int = option(0, "base seed; seed i of a run uses fold_in(key(seed), i)")
     learning_rate: float = option(2.5e-3, "Adam step size at the start of training")
     anneal_lr: bool = option(True, "decay the step size linearly to 0: freezes a good policy")
-    # 0.995, not 0.99: a policy that keeps the pole up can still let the cart drift off the
-    # track hundreds of steps later, which 0.99 hardly sees (0.99^300 = 0.05).
+    # 0.995, not 0.99: a cart that drifts off the track 300 steps later, 0.99 hardly sees.
     gamma: float = option(0.995, "discount factor")
     buffer_size: int = option(500, "replay buffer capacity per seed; small: fresh data beat old")
     batch_size: int = option(32, "transitions per gradient update")
@@ -186,8 +185,9 @@ class CartPole:
 # ---- Network -------------------------------------------------------------------------------
 @jax.custom_gradient
 def matmul(x: jax.Array, kernel: jax.Array):
-    """x @ kernel in full float32 (a GPU's default, TF32, solved fewer seeds). Its backward
-    computes x^T dy from a copy of x^T, kept by the barrier: 2.5x faster on XLA's CPU (README)."""
+    """x @ kernel in full float32 (a GPU's default, TF32, solved fewer seeds). Its backward takes
+    x^T dy from a copy of x^T that the barrier keeps XLA from folding back: ~2x faster on a CPU
+    (README). Reverse mode only (no jax.jvp); nn.Dense's axes and precision are these anyway."""
 
     def backward(dy: jax.Array):
         x_t = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)
@@ -1456,7 +1456,7 @@ def run_folder(template: str, overwrite: bool) -> str:
     if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
         raise ValueError(f"--overwrite replaces a run only; {template} also holds {foreign[0]}")
     # make_folder looks again once it holds the lock: a run may end there meanwhile.
-    FOUND_EMPTY[Path(template).resolve()] = not held
+    FOUND_EMPTY[Path(template).resolve()] = not held and not overwrite
     return template
 
 
@@ -1516,6 +1516,8 @@ def check_backend() -> None:
     try:
         jax.devices()
     except Exception as error:  # a RuntimeError, or an AssertionError for a missing cuda
+        if not os.environ.get("JAX_PLATFORMS"):  # not that: JAX's own error, as it is
+            raise
         detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
         platforms = os.environ.get("JAX_PLATFORMS")
         raise ValueError(f"JAX_PLATFORMS={platforms!r}: no JAX backend ({detail})") from None
@@ -1568,6 +1570,7 @@ def replot(folder: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
+    FOUND_EMPTY.clear()  # an earlier main()'s checks: --load and --resume make none of their own
     try:
         args, config, points, params, checkpoint = parse_command(argv)
         if args.replot:

@@ -778,7 +778,7 @@ def run_folder(template: str, overwrite: bool) -> str:
     if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
         raise ValueError(f"--overwrite replaces a run only; {template} also holds {foreign[0]}")
     # make_folder looks again once it holds the lock: a run may end there meanwhile.
-    FOUND_EMPTY[Path(template).resolve()] = not held
+    FOUND_EMPTY[Path(template).resolve()] = not held and not overwrite
     return template
 
 
@@ -838,6 +838,8 @@ def check_backend() -> None:
     try:
         jax.devices()
     except Exception as error:  # a RuntimeError, or an AssertionError for a missing cuda
+        if not os.environ.get("JAX_PLATFORMS"):  # not that: JAX's own error, as it is
+            raise
         detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
         fail(f"JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}: no JAX backend ({detail})")
 

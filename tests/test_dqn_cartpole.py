@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -676,6 +677,16 @@ def test_cli_sweep_on_acrobot_then_load_takes_env_and_network_from_the_run(
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and flag in err, err
     assert not (tmp_path / "not_written").exists()
+
+    # A call refused after checking a folder leaves no trace that a later --load trips on.
+    copy = tmp_path / "copy"
+    with pytest.raises(SystemExit):
+        dqn.main(
+            ["--total-timesteps", "100", "--learning-starts", "100", "--output-dir", str(copy)]
+        )
+    shutil.copytree(run, copy)  # a run arrives there, later
+    dqn.main(["--load", str(copy), "--eval-episodes", "1"])
+    assert (copy / "load_summary.json").exists()
 
 
 def test_scores_with_and_without_a_solved_return():

@@ -77,6 +77,10 @@ def test_a_run_that_ends_between_the_check_and_the_lock_is_not_replaced(script, 
     (full / "summary.json").touch()
     script.run_folder(str(full), overwrite=True)  # the next run, asked to replace that one
     assert script.make_folder(str(full)) == full
+    script.run_folder(str(tmp_path / "asked"), overwrite=True)  # empty, and --overwrite given
+    (tmp_path / "asked").mkdir()
+    (tmp_path / "asked" / "summary.json").touch()  # a run ends there: this one may replace it
+    assert script.make_folder(str(tmp_path / "asked")) == tmp_path / "asked"
 
 
 def test_overwrite_refuses_a_folder_or_a_users_tmp_file_among_a_runs_files(script, tmp_path):
