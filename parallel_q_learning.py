@@ -889,11 +889,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config | Path, dict]:
     args = vars(parser.parse_args(argv))
     cluster_flags = ("coordinator_address", "num_processes", "process_id", "cluster_timeout")
     cluster = {name: args.pop(name) for name in cluster_flags}
-    if (run_dir := args.pop("replot", None)) is not None:
-        return run_dir, cluster
-    overwrite = args.pop("overwrite")
+    run_dir, overwrite = args.pop("replot", None), args.pop("overwrite")
     try:
-        config = Config(**args)
+        config = Config(**args)  # checked with --replot too: a bad flag is one line there as well
+        if run_dir is not None:
+            return run_dir, cluster
         config = dataclasses.replace(config, output_dir=run_folder(config.output_dir, overwrite))
         return config, cluster
     except ValueError as error:

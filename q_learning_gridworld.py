@@ -745,11 +745,11 @@ def parse_config(argv: list[str] | None = None) -> Config | Path:
     overwrite_help = "replace the run in an --output-dir that holds one"
     parser.add_argument("--overwrite", action="store_true", help=overwrite_help)
     args = vars(parser.parse_args(argv))
-    if (run_dir := args.pop("replot", None)) is not None:
-        return run_dir
-    overwrite = args.pop("overwrite")
+    run_dir, overwrite = args.pop("replot", None), args.pop("overwrite")
     try:
-        config = Config(**args)
+        config = Config(**args)  # checked with --replot too: a bad flag is one line there as well
+        if run_dir is not None:
+            return run_dir
         return dataclasses.replace(config, output_dir=run_folder(config.output_dir, overwrite))
     except ValueError as error:
         fail(str(error))

@@ -495,7 +495,7 @@ def test_an_output_dir_that_holds_a_run_is_kept_unless_overwrite(
     assert all((tmp_path / name).read_text() == "kept" for name in held)
 
 
-def test_replot_does_not_train_and_a_bad_folder_is_one_line(tmp_path, capsys, monkeypatch):
+def test_replot_does_not_train_and_a_bad_folder_or_flag_is_one_line(tmp_path, capsys, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("--replot must not train or compile")
 
@@ -505,6 +505,10 @@ def test_replot_does_not_train_and_a_bad_folder_is_one_line(tmp_path, capsys, mo
         pq.main(["--replot", str(tmp_path)])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and "--replot" in err, err
+    with pytest.raises(SystemExit) as exit_info:  # the other flags are checked as for a run
+        pq.main(["--replot", str(tmp_path), "--num-seeds", "0"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "--num-seeds" in err, err
 
 
 def test_help_shows_defaults_as_typed(capsys):

@@ -646,11 +646,15 @@ def test_replot_redraws_the_figure_without_training(saved_run, monkeypatch, caps
     assert capsys.readouterr().out.count("\n") == 1
 
 
-def test_replot_of_a_folder_that_is_no_run_is_one_line(tmp_path, capsys):
+def test_replot_of_a_folder_that_is_no_run_or_with_a_bad_flag_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         qlg.main(["--replot", str(tmp_path)])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and "--replot" in err, err
+    with pytest.raises(SystemExit) as exit_info:  # the other flags are checked as for a run
+        qlg.main(["--replot", str(tmp_path), "--num-seeds", "0"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "--num-seeds" in err, err
 
 
 def test_each_run_gets_a_new_folder_and_a_named_one_is_kept_unless_overwrite(
