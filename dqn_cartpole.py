@@ -1146,8 +1146,6 @@ def check_coordinator(address: str, process_id: int, timeout: float) -> None:
     host, _, port = address.rpartition(":")
     if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 2**16:
         raise ValueError(f"--coordinator-address {address!r}: expected HOST:PORT, a port 1-65535")
-    if not 1 <= timeout < 2**31:  # False for NaN; JAX takes whole seconds as an int32
-        raise ValueError(f"--cluster-timeout must be in [1, 2^31) seconds, got {timeout}")
     if process_id == 0:
         with socket.socket() as probe:
             # As the coordinator will: a port that a run just ended on (TIME_WAIT) is free.
@@ -1178,6 +1176,10 @@ def join_cluster(args) -> None:
     tasks is found. Then jax.devices() lists every process's devices and the seeds are sharded
     over all of them. Processes other than 0 print nothing to stdout and write nothing."""
     flags = (args.coordinator_address, args.num_processes, args.process_id)
+    if not 1 <= args.cluster_timeout < 2**31:  # False for NaN; JAX takes int32 seconds
+        raise ValueError(
+            f"--cluster-timeout must be in [1, 2^31) seconds, got {args.cluster_timeout}"
+        )
     # A process that dies is an error where the others next wait for it (the gather of the
     # results), not an abort with a C++ stack trace in every other process.
     recover = partial(jax.config.update, "jax_enable_recoverability", True)

@@ -1002,8 +1002,6 @@ def check_coordinator(address: str, process_id: int, timeout: float) -> None:
     host, _, port = address.rpartition(":")
     if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 2**16:
         fail(f"--coordinator-address {address!r}: expected HOST:PORT, a port from 1 to 65535")
-    if not 1 <= timeout < 2**31:  # False for NaN; JAX takes whole seconds as an int32
-        fail(f"--cluster-timeout must be in [1, 2^31) seconds, got {timeout}")
     if process_id == 0:
         with socket.socket() as probe:
             # As the coordinator will: a port that a run just ended on (TIME_WAIT) is free.
@@ -1032,6 +1030,8 @@ def join_cluster(coordinator_address, num_processes, process_id, cluster_timeout
     tasks is found. Then jax.devices() lists every process's devices and the seeds are sharded
     over all of them. Processes other than 0 print nothing to stdout and write nothing."""
     flags = (coordinator_address, num_processes, process_id)
+    if not 1 <= cluster_timeout < 2**31:  # False for NaN; JAX takes int32 seconds
+        fail(f"--cluster-timeout must be in [1, 2^31) seconds, got {cluster_timeout}")
     # A process that dies is an error where the others next wait for it (the gather of the
     # results), not an abort with a C++ stack trace in every other process.
     recover = partial(jax.config.update, "jax_enable_recoverability", True)

@@ -779,6 +779,7 @@ BAD_INPUTS = [
         "HOST:PORT",
     ),  # fmt: skip
     (CLUSTER + ["--process-id", "0", "--cluster-timeout", "nan"], "--cluster-timeout"),
+    (["--cluster-timeout", "nan"], "--cluster-timeout"),  # given alone, checked all the same
     (
         ["--coordinator-address", "localhost:99999", "--num-processes", "2", "--process-id", "0"],
         "HOST:PORT",

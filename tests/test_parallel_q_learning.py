@@ -332,6 +332,7 @@ CLUSTER = ["--coordinator-address", "127.0.0.1:9", "--num-processes", "2"]
             "HOST",
         ),
         ([*CLUSTER, "--process-id", "0", "--cluster-timeout", "nan"], "--cluster-timeout"),
+        (["--cluster-timeout", "nan"], "--cluster-timeout"),  # given alone, checked all the same
         (["--coordinator-address", "x:99999", "--num-processes", "2", "--process-id", "0"], "HOST"),
         (["--max-episode-steps", str(2**31)], "--max-episode-steps"),  # int32 counters
         (["--gammas", "0.9,0.9"], "--gammas"),  # two grid points the same
