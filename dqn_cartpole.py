@@ -1015,13 +1015,6 @@ def save_figure(fig, path: Path) -> None:
     plt.close(fig)
 
 
-def steps_ticks(ax) -> None:
-    """x ticks as 0, 10k, 20k: readable at any run length."""
-    from matplotlib.ticker import FuncFormatter
-
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:g}k" if x else "0"))
-
-
 def plot_learning_curves(curves: dict, result: dict, solved, title: str, path: Path) -> None:
     """The solved share over training with its 95% Wilson band (when a solved return is known);
     every seed's greedy return with the IQM and its 95% bootstrap CI (the CI only from 10
@@ -1072,8 +1065,8 @@ def plot_learning_curves(curves: dict, result: dict, solved, title: str, path: P
         axes[-1].axvline(solved, color="k", ls="--", lw=1, label=label)
         axes[-1].legend(loc="upper left")
     axes[-1].set(xlabel="final greedy return", ylabel="seeds")
-    for ax in axes[:-1]:
-        steps_ticks(ax)
+    for ax in axes[:-1]:  # x ticks as 0, 10k, 20k: readable at any run length
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:g}k" if x else "0"))
     fig.suptitle(title)
     save_figure(fig, path)
 
@@ -1546,8 +1539,6 @@ def check_run(config: Config, output: Path) -> None:
     if first > config.total_timesteps:  # updates come at the multiples of train_frequency
         raise ValueError(f"--train-frequency: the first update would come at step {first:,}, "
                          "after --total-timesteps")  # fmt: skip
-    if not str(config.output_dir):  # "" would write into the current folder
-        raise ValueError("--output-dir must name a folder, not be empty")
     try:  # the folder, or the nearest parent that exists, must be a writable folder
         existing = next(path for path in (output, *output.absolute().parents) if path.exists())
     except OSError as error:  # a name the OS refuses (too long, say)
