@@ -9,8 +9,9 @@ pure function from a key and HParams to params and metrics. Seed i trains on fol
 
     train = make_train(Config())
     keys = jax.vmap(partial(jax.random.fold_in, jax.random.key(0)))(jnp.arange(512))
-    out = jax.jit(jax.vmap(train))(keys)  # {"params": [512, ...], "metrics": [512, evals]}
-    out = jax.jit(jax.vmap(train))(keys, hparams)  # a sweep: HParams of arrays [512]
+    out = jax.jit(jax.vmap(train))(keys)  # {"params": [512, ...], "metrics": {name: [512, 11]}}
+    hparams = jax.tree.map(lambda v: jnp.full(512, v), Config(gamma=0.99).hparams())
+    out = jax.jit(jax.vmap(train))(keys, hparams)  # a sweep: each field an array [512]
 
 Above the appendix line: that reference, complete on its own. Below: running it sharded, reports.
 """
@@ -41,7 +42,7 @@ def option(default: Any, help: str) -> Any:
     return dataclasses.field(default=default, metadata={"help": help})
 
 
-MAX_EVAL_POINTS = 1_000  # bounds the metrics memory: points per learning curve
+MAX_EVAL_POINTS = 1_000  # bounds the metrics memory: evaluations per run, after step 0's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +97,9 @@ class Config:
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')} {problem}")
 
+    def hparams(self) -> "HParams":
+        return HParams(**{name: getattr(self, name) for name in HParams._fields})
+
 
 class HParams(NamedTuple):
     """The hyperparameters that change no array shape, as data: arrays [agents] under
@@ -122,7 +126,7 @@ class EnvState:
 
 @struct.dataclass
 class EnvParams:
-    # Gymnasium's classic_control/cartpole.py constants (the derived ones derived in step).
+    # Gymnasium's classic_control/cartpole.py constants (total mass and the like: in step).
     gravity: float = 9.8
     masscart: float = 1.0
     masspole: float = 0.1
@@ -185,9 +189,9 @@ class CartPole:
 # ---- Network -------------------------------------------------------------------------------
 @jax.custom_gradient
 def matmul(x: jax.Array, kernel: jax.Array):
-    """x @ kernel in full float32 (a GPU's default, TF32, solved fewer seeds). Its backward takes
-    x^T dy from a copy of x^T that the barrier keeps XLA from folding back: ~2x faster on a CPU
-    (README). Reverse mode only (no jax.jvp); nn.Dense's axes and precision are these anyway."""
+    """x @ kernel in full float32, not TF32 (a GPU's default; it solved fewer seeds). Its backward
+    takes x^T dy from a copy of x^T that the barrier keeps XLA from folding back: ~2x faster on a
+    CPU (README). Reverse mode only (no jax.jvp); nn.Dense's axes and precision are these anyway."""
 
     def backward(dy: jax.Array):
         x_t = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)
@@ -262,10 +266,10 @@ class AgentState(NamedTuple):
     opt_state: Any
 
 
-def td_target(reward, terminated, next_q_target, next_q_online, gamma: float, double_dqn: bool):
-    """r + gamma * Q(s', a') unless s' is terminal. A truncated s' still bootstraps:
-    the time limit is not part of the task, the episode was not over."""
-    if double_dqn:  # van Hasselt et al. 2016: the online net picks, the target net rates
+def td_target(reward, terminated, next_q_target, next_q_online, gamma: float):
+    """r + gamma * Q(s', a') unless s' is terminal; next_q_online None: plain DQN. A truncated s'
+    still bootstraps: the time limit is not part of the task, the episode was not over."""
+    if next_q_online is not None:  # Double DQN (van Hasselt 2016): online picks, target rates
         best = jnp.argmax(next_q_online, axis=-1)
         next_value = jnp.take_along_axis(next_q_target, best[..., None], axis=-1)[..., 0]
     else:
@@ -279,9 +283,7 @@ def dqn_loss(params, target_params, apply_fn, batch: Transition, gamma: float, d
     q_taken = jnp.take_along_axis(q, batch.action[:, None], axis=-1)[:, 0]  # [batch]
     next_q_online = apply_fn(params, batch.next_obs) if double_dqn else None
     next_q_target = apply_fn(target_params, batch.next_obs)
-    target = td_target(
-        batch.reward, batch.terminated, next_q_target, next_q_online, gamma, double_dqn
-    )
+    target = td_target(batch.reward, batch.terminated, next_q_target, next_q_online, gamma)
     # Huber, not squared error: a few large TD errors early on do not blow up the net.
     return jnp.mean(optax.huber_loss(q_taken, jax.lax.stop_gradient(target)))
 
@@ -290,20 +292,19 @@ def greedy_episodes(key, params, env, network: QNetwork, num_episodes: int, keep
     """Returns [episodes] of fresh greedy (epsilon 0) episodes run side by side, each for the full
     time limit, steps after its end masked; `keep_obs`: also (obs, alive) [steps, episodes, ...]."""
     obs, state = jax.vmap(env.reset)(jax.random.split(key, num_episodes))  # [episodes, obs]
-    # One key for all the episodes' steps: it only seeds auto-resets after their end, unseen.
-    step = jax.vmap(env.step, in_axes=(None, 0, 0))
+    max_steps = env.default_params.max_steps_in_episode
+    step_keys = jax.random.split(jax.random.fold_in(key, 1), (max_steps, num_episodes))
 
-    def eval_step(carry, _):
+    def eval_step(carry, keys):
         obs, state, alive, total = carry
         action = jnp.argmax(network.apply(params, obs), axis=-1)  # [episodes]
-        next_obs, state, reward, terminated, truncated, _ = step(key, state, action)
+        next_obs, state, reward, terminated, truncated, _ = jax.vmap(env.step)(keys, state, action)
         total = total + reward * alive
         carry = (next_obs, state, alive & ~(terminated | truncated), total)
-        return carry, (obs, alive) if keep_obs else None
+        return carry, ((obs, alive) if keep_obs else None)
 
     init = (obs, state, jnp.ones(num_episodes, bool), jnp.zeros(num_episodes, jnp.float32))
-    max_steps = env.default_params.max_steps_in_episode
-    (_, _, _, total), seen = jax.lax.scan(eval_step, init, None, length=max_steps)
+    (_, _, _, total), seen = jax.lax.scan(eval_step, init, step_keys)
     return (total, seen) if keep_obs else total
 
 
@@ -318,15 +319,14 @@ class Carry(NamedTuple):
 
 
 def make_blocks(config: Config, env, network: QNetwork):
-    """(init, run_blocks), the two parts of train: init(key, hp) -> (Carry, metrics [1] of the
-    untrained network); run_blocks(carry, hp, blocks [n], steps) -> (Carry, metrics [n]), each
-    block `steps` environment steps (an update every train_frequency) and a greedy evaluation."""
+    """(init, run_blocks): init(key, hp) -> (Carry, metrics [1] of the untrained network);
+    run_blocks(carry, hp, blocks [n], steps) -> (Carry, metrics [n]): steps, then an evaluation."""
     num_eval, nan = config.eval_episodes, jnp.float32(jnp.nan)
     num_updates = (config.total_timesteps - config.learning_starts) // config.train_frequency
 
     def make_optimizer(hp: HParams):
         lr = hp.learning_rate
-        if config.anneal_lr:  # decays over the updates that will actually happen
+        if config.anneal_lr:  # linear to 0, reached at about the last update
             lr = optax.linear_schedule(hp.learning_rate, 0.0, max(1, num_updates))
         return optax.chain(optax.clip_by_global_norm(hp.max_grad_norm), optax.adam(lr))
 
@@ -344,10 +344,9 @@ def make_blocks(config: Config, env, network: QNetwork):
 
     def step(hp: HParams, carry: Carry, xs) -> tuple[Carry, dict]:
         t, (act_key, env_key, sample_key) = xs  # t: the global step index, the same every seed
-        # Linear decay over the first exploration_fraction of the run, scheduled on the progress
-        # in [0, 1]: a schedule's length in steps must be static, and here it is data.
-        decay = optax.linear_schedule(hp.epsilon_start, hp.epsilon_end, transition_steps=1)
-        epsilon = decay(t / (hp.exploration_fraction * config.total_timesteps))
+        # Linear from epsilon_start to epsilon_end over the first exploration_fraction of the run.
+        progress = jnp.clip(t / (hp.exploration_fraction * config.total_timesteps), 0.0, 1.0)
+        epsilon = (hp.epsilon_start - hp.epsilon_end) * (1.0 - progress) + hp.epsilon_end
         q_values = network.apply(carry.agent.params, carry.obs)  # [actions]
         action = distrax.EpsilonGreedy(q_values, epsilon).sample(seed=act_key)  # ties at random
         obs, env_state, reward, terminated, truncated, info = env.step(
@@ -384,8 +383,8 @@ def make_blocks(config: Config, env, network: QNetwork):
             episode_return=jnp.where(done, 0.0, episode_return),
         )
         # An episode's return is reported on its last step only; the loss where an update ran.
-        info = {"finished_return": jnp.where(done, episode_return, 0.0), "done": done}
-        return carry, {**info, "loss": loss, "updated": updated}
+        stats = {"finished_return": jnp.where(done, episode_return, 0.0), "done": done}
+        return carry, {**stats, "loss": loss, "updated": updated}
 
     def run_block(hp: HParams, steps: int, carry: Carry, block) -> tuple[Carry, dict]:
         # One split per block: all the randomness of its steps drawn at once.
@@ -394,14 +393,13 @@ def make_blocks(config: Config, env, network: QNetwork):
         carry, info = jax.lax.scan(partial(step, hp), carry._replace(key=key), xs)
         returns = greedy_episodes(eval_key, carry.agent.params, env, network, num_eval)
         episodes, updates = info["done"].sum(), info["updated"].sum()
-        metrics = {
+        return carry, {
             "step": block * config.eval_every + steps,
             "eval_return": returns.mean(),
             # NaN where the block had no finished episode / no update, not a fake 0.
             "train_return": jnp.where(episodes > 0, info["finished_return"].sum() / episodes, nan),
             "loss": jnp.where(updates > 0, info["loss"].sum() / updates, nan),
         }
-        return carry, metrics
 
     def run_blocks(carry: Carry, hp: HParams, blocks: jax.Array, steps: int):
         return jax.lax.scan(partial(run_block, hp, steps), carry, blocks)
@@ -420,7 +418,7 @@ def make_blocks(config: Config, env, network: QNetwork):
             episode_return=jnp.float32(0.0),
             key=key,
         )
-        # The curves start at step 0, with the untrained network, on a key outside the chain.
+        # The curves start at step 0, with the untrained network, on a key no other draw uses.
         returns = greedy_episodes(jax.random.fold_in(init_key, 1), params, env, network, num_eval)
         start = {"step": 0, "eval_return": returns.mean(), "train_return": nan, "loss": nan}
         return carry, jax.tree.map(lambda x: jnp.asarray(x)[None], start)
@@ -432,13 +430,15 @@ def make_train(config: Config, env=None, network=None):
     """Returns train(key, hparams=None) -> {"params", "metrics"}: one seed's whole experiment
     (the Config's hyperparameters if hparams is None): init, then the blocks of eval_every steps,
     each ending in a greedy evaluation. The command line runs the same parts a block at a time."""
+    if env is None and config.env != "cartpole":  # make_env(config.env) in the appendix builds it
+        raise ValueError(f"make_train: pass the env for env={config.env!r}")
     env = CartPole() if env is None else env
     if network is None:
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
     init, run_blocks = make_blocks(config, env, network)
 
     def train(key: jax.Array, hparams: HParams | None = None) -> dict:
-        hp = HParams(*(getattr(config, n) for n in HParams._fields)) if hparams is None else hparams
+        hp = config.hparams() if hparams is None else hparams
         carry, metrics = init(key, hp)
         for first, count, steps in config.blocks:
             carry, more = run_blocks(carry, hp, first + jnp.arange(count), steps)
@@ -553,10 +553,6 @@ def grid_points(lists: dict[str, tuple[float, ...]]) -> list[dict[str, float]]:
         if len(set(float32)) < len(values):  # two grid points that could not be told apart
             raise ValueError(f"{flag(name)} lists a value twice")
     return [dict(zip(lists, values, strict=True)) for values in itertools.product(*lists.values())]
-
-
-def hparams_of(config: Config) -> dict[str, float]:
-    return {name: getattr(config, name) for name in HParams._fields}
 
 
 def hparam_grid(points: list[dict[str, float]]) -> HParams:
@@ -1415,7 +1411,9 @@ def parse_command(argv: list[str] | None):
             raise ValueError(f"--resume continues the run as it was started; leave out {others[0]}")
         config, points, start = load_checkpoint(args.resume)
         return args, config, points, None, start
-    lists = {name: given.pop(name, (value,)) for name, value in hparams_of(Config()).items()}
+    lists = {
+        name: given.pop(name, (value,)) for name, value in Config().hparams()._asdict().items()
+    }
     points, params = grid_points(lists), None
     if args.load:  # the env and network must match the saved params; the rest is this command's
         if len(points) > 1:

@@ -55,7 +55,7 @@ def train_ours(timesteps: int, num_agents: int) -> None:
     env = dqn.CartPole()
     network = dqn.QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
     plan = dqn.plan_seeds(num_agents, dqn.bytes_per_seed(config, env, network))
-    grid = dqn.hparam_grid([dqn.hparams_of(config)])
+    grid = dqn.hparam_grid([config.hparams()._asdict()])
     timings = {}
     for _ in dqn.train_agents(config, env, network, 0, grid, plan, timings=timings):
         pass  # one evaluation block: one compiled call

@@ -34,7 +34,7 @@ CHECKPOINT_EVERY = 25_000  # the command line's default
 
 def in_blocks(config, env, network, grid, plan, output: Path) -> tuple[float, float]:
     """The command line's way, checkpoints included -> (compile s, train s)."""
-    timings, saved, points = {}, 0, [dqn.hparams_of(config)]
+    timings, saved, points = {}, 0, [config.hparams()._asdict()]
     for done, carry, metrics in dqn.train_agents(
         config, env, network, 0, grid, plan, None, timings
     ):
@@ -81,7 +81,7 @@ def main() -> None:
     env = dqn.CartPole()
     network = dqn.QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
     plan = dqn.plan_seeds(args.seeds, dqn.bytes_per_seed(config, env, network))
-    grid = dqn.hparam_grid([dqn.hparams_of(config)])
+    grid = dqn.hparam_grid([config.hparams()._asdict()])
     times = {"blocks": [], "one call": []}
     with tempfile.TemporaryDirectory() as folder:
         for repeat in range(args.repeats):

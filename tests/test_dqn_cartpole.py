@@ -167,7 +167,9 @@ def test_truncated_transition_bootstraps_and_terminated_does_not(double_dqn):
     terminated = jnp.array([False, True])  # [truncated by the time limit, fell]
     next_q_target = jnp.array([[3.0, 5.0], [3.0, 5.0]])
     next_q_online = jnp.array([[2.0, 1.0], [2.0, 1.0]])  # prefers action 0
-    target = dqn.td_target(reward, terminated, next_q_target, next_q_online, 0.9, double_dqn)
+    target = dqn.td_target(
+        reward, terminated, next_q_target, next_q_online if double_dqn else None, 0.9
+    )
     bootstrap = 3.0 if double_dqn else 5.0  # Double DQN: online picks 0, target rates it 3
     np.testing.assert_allclose(target, [1.0 + 0.9 * bootstrap, 1.0])
 
@@ -216,7 +218,7 @@ def test_seeds_in_batches_give_what_one_vmap_gives(tiny_keys, vmapped_out):
     values as constants) on the same seeds' keys."""
     plan = dqn.plan_seeds(6, bytes_per_seed(TINY))  # 64 agents, two batches of 16 a device
     other = dataclasses.replace(TINY, learning_rate=1e-3)
-    grid = dqn.hparam_grid([dqn.hparams_of(TINY), dqn.hparams_of(other)])
+    grid = dqn.hparam_grid([TINY.hparams()._asdict(), other.hparams()._asdict()])
     out = train_all(TINY, grid, plan)
 
     def same(a: dict, b: dict) -> None:
@@ -298,7 +300,7 @@ def test_seed_i_is_the_same_agent_whatever_num_seeds():
     """Seeds 0 and 1 train bit for bit the same agents in runs of 3 or 40 seeds: on a CPU every
     run has the same batch width, padded, so a seed runs in the same lane of the same program
     (3 seeds: one batch per device, mostly padding; 40 seeds: two batches per device)."""
-    grid, need = dqn.hparam_grid([dqn.hparams_of(TINY)]), bytes_per_seed(TINY)
+    grid, need = dqn.hparam_grid([TINY.hparams()._asdict()]), bytes_per_seed(TINY)
     runs = {}
     for num_seeds in (3, 40):
         plan = dqn.plan_seeds(num_seeds, need)
@@ -324,7 +326,7 @@ def test_gpu_layout_runs_on_a_cpu(monkeypatch, vmapped_out):
     plan = dqn.plan_seeds(3, need, platform="gpu")
     assert plan.seeds_per_batch == 2 and plan.padded_seeds == 4
     monkeypatch.undo()
-    out = train_all(TINY, dqn.hparam_grid([dqn.hparams_of(TINY)]), plan)
+    out = train_all(TINY, dqn.hparam_grid([TINY.hparams()._asdict()]), plan)
     same = partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-4)
     jax.tree.map(lambda a, b: same(a[:3], b), out, vmapped_out)
 
@@ -713,7 +715,7 @@ def test_train_is_its_blocks_run_one_at_a_time(tiny_keys, vmapped_out):
     env = dqn.CartPole()
     network = dqn.QNetwork(TINY.hidden_sizes, env.num_actions, TINY.layer_norm)
     init, run_blocks = dqn.make_blocks(TINY, env, network)
-    hp = dqn.HParams(*(getattr(TINY, name) for name in dqn.HParams._fields))
+    hp = TINY.hparams()
     carry, metrics = jax.jit(jax.vmap(lambda key: init(key, hp)))(tiny_keys)
     run = jax.jit(jax.vmap(run_blocks, in_axes=(0, None, None, None)), static_argnums=3)
     for block, steps in [(0, 500), (1, 500)]:
@@ -962,10 +964,12 @@ def test_load_refuses_params_of_fewer_agents_than_the_summary_says(tmp_path, cap
 
 def test_stopped_at_once_before_anything_was_saved_leaves_no_folder(tmp_path):
     """Ctrl-C twice while the first block compiles: the second stops the run at once (exit 130,
-    no traceback), and its folder, still empty, is removed."""
+    no traceback), and its folder, still empty, is removed. The first block is long (50k steps),
+    so that the second signal comes before it ends even on a busy machine."""
     folder = tmp_path / "run"
+    args = [*RESUME_ARGS, "--total-timesteps", "100000", "--eval-every", "50000"]  # the last wins
     process = subprocess.Popen(
-        [sys.executable, "-u", dqn.__file__, *RESUME_ARGS, "--output-dir", str(folder)],
+        [sys.executable, "-u", dqn.__file__, *args, "--output-dir", str(folder)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     printed = []
@@ -991,7 +995,7 @@ def test_resume_refuses_other_flags_and_a_folder_without_a_checkpoint(tmp_path, 
 
 def test_a_checkpoint_that_does_not_hold_together_is_one_line(tmp_path):
     config = dataclasses.asdict(dqn.Config())
-    point = dqn.hparams_of(dqn.Config())
+    point = dqn.Config().hparams()._asdict()
     seeds = config["num_seeds"]
     for points, done, evals in (
         ([], 0, 1),
