@@ -27,7 +27,7 @@ from typing import NamedTuple
 # A CPU is one XLA device by default, and one device runs one thread of this program: showing
 # the CPU as one device per core lets the seeds be split over every core (measured: see
 # README). It only shapes the CPU platform, so a GPU run is unaffected; a user's XLA_FLAGS win.
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={os.cpu_count()}")
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={os.cpu_count() or 1}")
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +53,7 @@ class ConfigError(ValueError):  # a bad flag value, as one line that names the f
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    layout: str = option(DEFAULT_LAYOUT, "the map: default, maze, four_rooms or a map file")
+    layout: str = option(DEFAULT_LAYOUT, "map text; CLI: default, maze, four_rooms or a file")
     total_timesteps: int = option(100_000, "environment steps per agent")
     num_seeds: int = option(64, "independent agents per hyperparameter setting")
     seed: int = option(0, "seed i trains with fold_in(key(seed), i), at every grid point")
@@ -73,7 +73,7 @@ class Config:
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be at least 1, got {getattr(self, name)}")
         for name in ("max_episode_steps", "agents_per_chunk"):
-            if not 0 <= getattr(self, name) < 2**31:  # the episode counters are int32
+            if not 0 <= getattr(self, name) < 2**31:  # int32 in the compiled program
                 raise ConfigError(name, f"must be in [0, 2^31), got {getattr(self, name)}")
         if not -(2**63) <= self.seed < 2**63:  # what jax.random.key takes
             raise ConfigError("seed", f"must be a 64-bit integer, got {self.seed}")
@@ -321,8 +321,8 @@ def make_train(
                 carry.q, carry.obs, action, reward, terminated, reached, hparams.learning_rate,
                 hparams.gamma,
             )  # fmt: skip
-            carry = carry._replace(q=q, env_state=env_state, obs=obs)
-            return carry._replace(episodes=carry.episodes + terminated), None
+            episodes = carry.episodes + terminated
+            return carry._replace(q=q, env_state=env_state, obs=obs, episodes=episodes), None
 
         def run_block(steps: int, carry: Carry, _) -> tuple[Carry, None]:
             key, block_key = jax.random.split(carry.key)
@@ -365,15 +365,15 @@ def make_train(
     return train
 
 
-def grid_points(config: Config) -> list[tuple[float, float, float]]:
-    """Every (gamma, learning rate, epsilon) combination: gamma slowest, epsilon fastest."""
-    return list(itertools.product(config.gammas, config.learning_rates, config.epsilons))
+def grid_points(config: Config) -> list[HParams]:
+    """Every combination of the lists, as HParams: gamma slowest, epsilon fastest."""
+    product = itertools.product(config.gammas, config.learning_rates, config.epsilons)
+    return [HParams(learning_rate=lr, epsilon=eps, gamma=gamma) for gamma, lr, eps in product]
 
 
 def hparam_grid(config: Config) -> HParams:
     """The grid as HParams of float32 arrays [grid], in grid_points order."""
-    gammas, learning_rates, epsilons = np.array(grid_points(config), np.float32).T
-    return HParams(learning_rate=learning_rates, epsilon=epsilons, gamma=gammas)
+    return HParams(*np.array(grid_points(config), np.float32).T)
 
 
 def make_sweep(train: Callable) -> Callable:
@@ -385,13 +385,13 @@ def make_sweep(train: Callable) -> Callable:
     less noisy (the seeds themselves are independent)."""
 
     def sweep(keys: jax.Array, grid: HParams) -> TrainResult:
-        num_seeds, num_points = keys.shape[0], grid.learning_rate.shape[0]
-        agent = jnp.arange(num_seeds * num_points)  # agent = seed * num_points + grid point
-        agent_hparams = jax.tree.map(lambda x: x[agent % num_points], grid)
-        results = jax.vmap(train)(keys[agent // num_points], agent_hparams)  # [agents, ...]
+        num_seeds, grid_size = keys.shape[0], grid.learning_rate.shape[0]
+        agent = jnp.arange(num_seeds * grid_size)  # agent = seed * grid_size + grid point
+        agent_hparams = jax.tree.map(lambda x: x[agent % grid_size], grid)
+        results = jax.vmap(train)(keys[agent // grid_size], agent_hparams)  # [agents, ...]
         # [seeds * grid, ...] -> [grid, seeds, ...]
         return jax.tree.map(
-            lambda x: x.reshape(num_seeds, num_points, *x.shape[1:]).swapaxes(0, 1), results
+            lambda x: x.reshape(num_seeds, grid_size, *x.shape[1:]).swapaxes(0, 1), results
         )
 
     return jax.jit(sweep)
@@ -655,20 +655,18 @@ def summarize_grid(config: Config, env: GridWorld, result: TrainResult) -> list[
     exact = {gamma: float(value_iteration(env, gamma)[env.start].max()) for gamma in config.gammas}
     shortest = env.shortest_path  # steps from S to G
     rows = []
-    for g, (gamma, learning_rate, epsilon) in enumerate(grid_points(config)):
+    for g, point in enumerate(grid_points(config)):
         paths = np.asarray(result.curve.greedy_path_length[g])  # [seeds, points]
         start_value = np.asarray(result.curve.start_value[g, :, -1])  # [seeds]
         rows.append(
             {
-                "learning_rate": learning_rate,
-                "epsilon": epsilon,
-                "gamma": gamma,
+                **point._asdict(),
                 "shortest_path": shortest,
                 "greedy_path_length": mean_ci(paths[:, -1]),
                 "greedy_path_optimal_fraction": mean_ci(paths[:, -1] == shortest),
                 "optimal_time_share": mean_ci(np.mean(paths == shortest, axis=1)),
-                "value_iteration_start_value": exact[gamma],
-                "start_value_abs_error": mean_ci(np.abs(start_value - exact[gamma])),
+                "value_iteration_start_value": exact[point.gamma],
+                "start_value_abs_error": mean_ci(np.abs(start_value - exact[point.gamma])),
                 "episodes_completed": mean_ci(np.asarray(result.curve.episodes[g]).sum(axis=1)),
             }
         )
@@ -722,11 +720,11 @@ def save_run(output: Path, summary: dict, config: Config, result: TrainResult) -
     final Q-tables [grid, seeds, rows, cols, actions]. The figures are drawn from these."""
     with atomic_open(output / "summary.json") as file:
         json.dump(summary, file, indent=2, allow_nan=False)  # strict JSON: no NaN in it
-    grid = np.array(grid_points(config))[:, None, None, :]  # [grid, 1, 1, gamma lr epsilon]
+    grid = np.array(grid_points(config))  # [grid, learning_rate epsilon gamma]
     schedule, seeds = make_schedule(config), np.arange(config.num_seeds)[:, None]
     point_steps = schedule.blocks_per_point * schedule.block_steps
     steps = np.minimum(np.arange(1, schedule.num_points + 1) * point_steps, config.total_timesteps)
-    columns = {"learning_rate": grid[..., 1], "epsilon": grid[..., 2], "gamma": grid[..., 0]}
+    columns = {name: grid[:, None, None, i] for i, name in enumerate(HParams._fields)}
     columns |= {"seed": seeds, "step": steps}
     columns |= result.curve._asdict()  # [grid, seeds, points] each
     values = [np.ravel(c).tolist() for c in np.broadcast_arrays(*columns.values())]

@@ -38,7 +38,7 @@ def option(default, help: str):
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    layout: str = option(DEFAULT_LAYOUT, "the map: default, maze, four_rooms or a file path")
+    layout: str = option(DEFAULT_LAYOUT, "map text; CLI: default, maze, four_rooms or a file")
     total_timesteps: int = option(1_000_000, "environment steps per agent (seed)")
     learning_rate: float = option(0.1, "step size of the Q-learning update, in (0, 1]")
     gamma: float = option(0.9, "discount factor, in [0, 1)")
@@ -122,7 +122,7 @@ def parse_layout(text: str) -> GridMap:
     rows, cols = grid.shape
     next_cell = np.zeros((rows * cols, NUM_ACTIONS), np.int32)
     for cell, (row, col) in enumerate(np.ndindex(rows, cols)):
-        for action, (r, c) in enumerate((row, col) + MOVES):
+        for action, (r, c) in enumerate(MOVES + (row, col)):
             free = 0 <= r < rows and 0 <= c < cols and "#" not in (grid[r, c], grid[row, col])
             next_cell[cell, action] = r * cols + c if free else cell
     start, goal = (int(np.flatnonzero(grid.ravel() == char)[0]) for char in "SG")
@@ -157,12 +157,12 @@ class GridWorld:
         self.num_cells = self.rows * self.cols
         self.max_episode_steps = max_episode_steps
 
-    def reset(self, key: jax.Array) -> tuple[jax.Array, EnvState]:
+    def reset(self, key: jax.Array | None) -> tuple[jax.Array, EnvState]:
         del key  # every episode starts at S
         state = EnvState(cell=jnp.int32(self.map.start), time=jnp.int32(0))
         return state.cell, state
 
-    def step(self, key: jax.Array, state: EnvState, action: jax.Array):
+    def step(self, key: jax.Array | None, state: EnvState, action: jax.Array):
         """-> (obs, state, reward, terminated, truncated, info), back at S when done;
         info["final_observation"] is the cell the action really led to, before the reset."""
         next_cell = jnp.asarray(self.map.next_cell)[state.cell, action]
@@ -323,8 +323,8 @@ def make_train(config: Config, env: GridWorld | None = None):
             return_sum=jnp.zeros(num_points, jnp.float32),
         )
         carry = BlockCarry(step=step, curve=curve, rng=rng)
-        blocks = functools.partial(run_block, config.steps_per_block)
-        carry, _ = jax.lax.scan(blocks, carry, point_of_block[:full_blocks])
+        whole_blocks = functools.partial(run_block, config.steps_per_block)
+        carry, _ = jax.lax.scan(whole_blocks, carry, point_of_block[:full_blocks])
         if rest:
             carry, _ = run_block(rest, carry, point_of_block[-1])
         curve = carry.curve  # [num_points] each
