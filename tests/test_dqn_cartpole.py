@@ -254,6 +254,38 @@ def test_one_greedy_episode_function_scores_and_draws():
     np.testing.assert_array_equal(alive.sum(axis=0), returns)  # CartPole pays 1 per step
 
 
+class CoinFlips(dqn.CartPole):
+    """CartPole that pays a coin flip drawn from the step's key: a stochastic environment."""
+
+    def step(self, key, state, action, params=None):
+        obs, state, _, terminated, truncated, info = super().step(key, state, action, params)
+        return (
+            obs,
+            state,
+            jax.random.bernoulli(key).astype(jnp.float32),
+            terminated,
+            truncated,
+            info,
+        )
+
+
+def test_greedy_episodes_give_each_step_and_episode_its_own_key():
+    """A stochastic env's evaluation draws afresh at every step: episodes of coin flips are
+    not all heads or all tails (one key for every step gave each episode one flip, repeated)."""
+    env = CoinFlips()
+    network = dqn.QNetwork((16,), env.num_actions)
+    params = network.init(jax.random.key(0), jnp.zeros(4))
+    returns, (_, alive) = dqn.greedy_episodes(jax.random.key(1), params, env, network, 8, True)
+    lengths = alive.sum(axis=0)
+    assert np.all((returns > 0) & (returns < lengths)), (returns, lengths)
+    assert 0.25 < returns.sum() / lengths.sum() < 0.75
+
+
+def test_make_train_refuses_another_env_named_but_not_given():
+    with pytest.raises(ValueError, match="pass the env"):
+        dqn.make_train(dataclasses.replace(TINY, env="gymnax:Acrobot-v1"))
+
+
 def test_help_shows_defaults_as_typed():
     text = " ".join(dqn.build_parser().format_help().split())
     assert "(default: 64,64)" in text and "(default: 0.995)" in text
