@@ -569,7 +569,9 @@ class SeedPlan(NamedTuple):
 
 def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int], int]:
     """(A generous estimate of the device memory one seed's `train` needs, in bytes, by the flag
-    that drives each part, so that a refusal names the largest; the bytes of its results)."""
+    that drives each part, so that a refusal names the largest; the bytes every agent holds from
+    block to block: its training state and metrics, thrice (a block's carry in and out, and the
+    host's copy): 16,384 seeds of the default config peaked at ~190 KB each, this says 300)."""
     obs = jax.eval_shape(env.reset, jax.random.key(0))[0]
     params = jax.tree.leaves(jax.eval_shape(network.init, jax.random.key(0), obs))
     num_params, block, widths = (
@@ -578,9 +580,10 @@ def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int],
         config.hidden_sizes,
     )
     num_metrics = 4 * (1 + config.total_timesteps // block)
+    buffer_words = config.buffer_size * (2 * obs.size + 3)
     words = {
         "--hidden-sizes": 6 * num_params,  # params, target, Adam's two moments, grads, updates
-        "--buffer-size": config.buffer_size * (2 * obs.size + 3),  # the replay buffer
+        "--buffer-size": buffer_words,  # the replay buffer
         "--eval-every": 2 * (3 * block + 5),  # a block's keys
         "--eval-episodes": 4 * config.eval_episodes * (max(widths) + obs.size),  # evaluation
         "--total-timesteps": num_metrics,
@@ -592,17 +595,19 @@ def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int],
     name = "--hidden-sizes" if wide else "--batch-size"
     words[name] = words.get(name, 0) + 6 * config.batch_size * sum(widths)
     # 4-byte words; x2 for the temporaries XLA keeps beside the loop.
-    return {name: 2 * 4 * count for name, count in words.items()}, 4 * (num_params + num_metrics)
+    held = 3 * 4 * (4 * num_params + buffer_words + num_metrics)
+    return {name: 2 * 4 * count for name, count in words.items()}, held
 
 
 def bytes_per_seed(config: Config, env, network: QNetwork) -> int:
     return sum(memory_need(config, env, network)[0].values())
 
 
-def check_memory(terms: dict[str, int], result_bytes: int, num_agents: int) -> None:
+def check_memory(terms: dict[str, int], held_bytes: int, num_agents: int) -> None:
     """MemoryError naming the flag to change, before any work: when one seed's training does not
-    fit in half a device's free memory (the flag of its largest part), or the results of all
-    agents, held at once on this host at the end, do not fit in half its free memory."""
+    fit in half a device's free memory (the flag of its largest part), or what all agents hold
+    from block to block (memory_need), saved to this host at each checkpoint, does not fit in
+    half its free memory."""
     available = bytes_available(jax.local_devices()[0])
     need = sum(terms.values())
     if need > available // 2:
@@ -612,10 +617,10 @@ def check_memory(terms: dict[str, int], result_bytes: int, num_agents: int) -> N
             f"free per device (half of it usable); lower {largest}"
         )
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    if result_bytes * num_agents > host // 2:
+    if held_bytes * num_agents > host // 2:
         raise MemoryError(
-            f"--num-seeds: the results of {num_agents} agents need "
-            f"~{result_bytes * num_agents / 2**30:.1f} GiB, more than half the "
+            f"--num-seeds: the training state of {num_agents} agents needs "
+            f"~{held_bytes * num_agents / 2**30:.1f} GiB, more than half the "
             f"{host / 2**30:.1f} GiB free here; fewer seeds (or grid points)"
         )
 
@@ -1585,8 +1590,8 @@ def main(argv: list[str] | None = None) -> None:
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
         if args.load:  # the saved params must be this env's and network's, one per agent
             check_params(params, network, env, args.load, len(points) * config.num_seeds)
-        terms, result_bytes = memory_need(config, env, network)
-        check_memory(terms, result_bytes, len(points) * config.num_seeds)
+        terms, held_bytes = memory_need(config, env, network)
+        check_memory(terms, held_bytes, len(points) * config.num_seeds)
         need = sum(terms.values())
         plan = None if args.load else plan_seeds(len(points) * config.num_seeds, need)
         if jax.process_index() == 0:  # last: a refused run leaves nothing behind

@@ -363,6 +363,27 @@ def test_gpu_layout_runs_on_a_cpu(monkeypatch, vmapped_out):
     jax.tree.map(lambda a, b: same(a[:3], b), out, vmapped_out)
 
 
+def test_memory_check_counts_what_every_agent_holds_between_blocks():
+    """Every agent's training state (params, target, Adam's moments, buffer) stays in memory
+    from block to block: the estimate covers it at least twice, and enough agents to outgrow
+    half of this host's free memory are refused, naming --num-seeds."""
+    env = dqn.CartPole()
+    network = dqn.QNetwork(TINY.hidden_sizes, env.num_actions, TINY.layer_norm)
+    terms, held = dqn.memory_need(TINY, env, network)
+    init, _ = dqn.make_blocks(TINY, env, network)
+    state = jax.eval_shape(init, jax.random.key(0), TINY.hparams())
+
+    def nbytes(x):  # a key: two 32-bit words
+        return 8 if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x.size * x.dtype.itemsize
+
+    state_bytes = sum(nbytes(x) for x in jax.tree.leaves(state))
+    assert held >= 2 * state_bytes
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    with pytest.raises(MemoryError, match="--num-seeds"):
+        dqn.check_memory(terms, held, host // held)
+    dqn.check_memory(terms, held, host // held // 4)  # a quarter of it passes
+
+
 def test_memory_estimate_takes_sizes_from_the_network():
     """The parameter count comes from the network itself, not from CartPole's sizes."""
     small = dataclasses.replace(TINY, hidden_sizes=(16,))
@@ -1010,7 +1031,7 @@ def test_stopped_at_once_before_anything_was_saved_leaves_no_folder(tmp_path):
         if "at once per device" in line or "the run stops once" in line:
             process.send_signal(signal.SIGINT)
     assert process.wait(timeout=120) == 130 and "Traceback" not in "".join(printed), printed
-    assert not folder.exists()
+    assert not folder.exists(), sorted(folder.iterdir())
 
 
 def test_resume_refuses_other_flags_and_a_folder_without_a_checkpoint(tmp_path, capsys):
