@@ -867,6 +867,8 @@ def main(argv: list[str] | None = None) -> None:
     check_memory(config, env)
     try:  # before training, so that a bad --output-dir costs no training
         output_dir = make_folder(config.output_dir)
+        if not os.access(output_dir, os.W_OK):  # a folder that was there already
+            raise OSError(f"{output_dir} is not writable")
     except OSError as error:
         fail(f"--output-dir: {error}")
     config = dataclasses.replace(config, output_dir=str(output_dir))

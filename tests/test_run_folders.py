@@ -130,3 +130,17 @@ def test_a_jax_platform_this_machine_lacks_is_one_line(script, tmp_path):
     assert result.returncode == 2 and len(err) == 1, err
     assert "JAX_PLATFORMS='nosuchplatform': no JAX backend" in err[0]
     assert not output.exists()
+
+
+def test_an_output_folder_this_user_cannot_write_to_is_one_line(
+    script, tmp_path, monkeypatch, capsys
+):
+    """Refused before any training (a read-only mount, say), not at the first write after it."""
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # nothing writable
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--output-dir", str(tmp_path), "--total-timesteps", "2000"])
+    monkeypatch.undo()
+    printed = capsys.readouterr()
+    err = printed.err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "--output-dir" in err[0], err
+    assert "compile" not in printed.out and not any(tmp_path.iterdir())
