@@ -292,7 +292,7 @@ def greedy_episodes(key, params, env, network: QNetwork, num_episodes: int, keep
     """Returns [episodes] of fresh greedy (epsilon 0) episodes run side by side, each for the full
     time limit, steps after its end masked; `keep_obs`: also (obs, alive) [steps, episodes, ...]."""
     obs, state = jax.vmap(env.reset)(jax.random.split(key, num_episodes))  # [episodes, obs]
-    max_steps = env.default_params.max_steps_in_episode
+    max_steps = int(env.default_params.max_steps_in_episode)  # a float in gymnax's bandits
     step_keys = jax.random.split(jax.random.fold_in(key, 1), (max_steps, num_episodes))
 
     def eval_step(carry, keys):

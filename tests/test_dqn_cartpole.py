@@ -483,9 +483,13 @@ def test_sizes_come_from_the_environment():
         assert params["Dense_1"]["kernel"].shape == (8, num_actions)
 
 
-@pytest.mark.parametrize("name", ["gymnax:MountainCar-v0", "gymnax:Breakout-MinAtar"])
+GYMNAX_IDS = ["gymnax:MountainCar-v0", "gymnax:Breakout-MinAtar", "gymnax:BernoulliBandit-misc"]
+
+
+@pytest.mark.parametrize("name", GYMNAX_IDS)
 def test_tiny_run_on_a_gymnax_environment(name):
-    """(CartPole-v1 above, Acrobot-v1 through the command line below.)"""
+    """(CartPole-v1 above, Acrobot-v1 through the command line below; the bandit's time limit
+    is a float.)"""
     env = dqn.make_env(name)
     config = dataclasses.replace(TINY_GYMNAX, env=name)
     returns = jax.jit(dqn.make_train(config, env))(jax.random.key(0))["metrics"]["eval_return"]
