@@ -293,10 +293,10 @@ def greedy_episodes(key, params, env, network: QNetwork, num_episodes: int, keep
     time limit, steps after its end masked; `keep_obs`: also (obs, alive) [steps, episodes, ...]."""
     obs, state = jax.vmap(env.reset)(jax.random.split(key, num_episodes))  # [episodes, obs]
     max_steps = int(env.default_params.max_steps_in_episode)  # a float in gymnax's bandits
-    step_keys = jax.random.split(jax.random.fold_in(key, 1), (max_steps, num_episodes))
 
-    def eval_step(carry, keys):
+    def eval_step(carry, t):
         obs, state, alive, total = carry
+        keys = jax.random.split(jax.random.fold_in(key, t), num_episodes)
         action = jnp.argmax(network.apply(params, obs), axis=-1)  # [episodes]
         next_obs, state, reward, terminated, truncated, _ = jax.vmap(env.step)(keys, state, action)
         total = total + reward * alive
@@ -304,7 +304,7 @@ def greedy_episodes(key, params, env, network: QNetwork, num_episodes: int, keep
         return carry, ((obs, alive) if keep_obs else None)
 
     init = (obs, state, jnp.ones(num_episodes, bool), jnp.zeros(num_episodes, jnp.float32))
-    (_, _, _, total), seen = jax.lax.scan(eval_step, init, step_keys)
+    (_, _, _, total), seen = jax.lax.scan(eval_step, init, jnp.arange(max_steps))
     return (total, seen) if keep_obs else total
 
 
