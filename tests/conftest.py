@@ -4,6 +4,7 @@ so the sharding code paths (seeds split over devices) run in every test session.
 import atexit
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -16,6 +17,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_cache_")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+
+# A suite started in the background by a script (`pytest &`) inherits Ctrl-C ignored, and so
+# would every script a test starts: the tests that send it would wait for nothing. A handler
+# here gives those scripts the default again (an exec resets a handled signal, not an ignored one).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The scripts live at the repository root, not in a package.
 ROOT = Path(__file__).resolve().parent.parent
