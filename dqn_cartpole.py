@@ -571,7 +571,7 @@ def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int],
     """(A generous estimate of the device memory one seed's `train` needs, in bytes, by the flag
     that drives each part, so that a refusal names the largest; the bytes every agent holds from
     block to block: its training state and metrics, thrice (a block's carry in and out, and the
-    host's copy): 16,384 seeds of the default config peaked at ~190 KB each, this says 300)."""
+    host's copy; measured: see README)."""
     obs = jax.eval_shape(env.reset, jax.random.key(0))[0]
     params = jax.tree.leaves(jax.eval_shape(network.init, jax.random.key(0), obs))
     num_params, block, widths = (
