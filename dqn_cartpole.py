@@ -1178,10 +1178,17 @@ def join_cluster(args) -> None:
     # results), not an abort with a C++ stack trace in every other process.
     recover = partial(jax.config.update, "jax_enable_recoverability", True)
     if all(value is None for value in flags):
-        tasks = (os.environ.get(name, "1") for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
-        if any(count != "1" for count in tasks):
+        names = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+        tasks = [f"{name}={os.environ[name]}" for name in names if os.environ.get(name, "1") != "1"]
+        if tasks:
             recover()
-            jax.distributed.initialize()
+            try:
+                jax.distributed.initialize()
+            except ValueError as error:  # the job's other variables are missing
+                raise ValueError(
+                    f"{tasks[0]}, but JAX finds no cluster to join ({error}); give "
+                    "--coordinator-address, --num-processes and --process-id"
+                ) from None
         return
     if any(value is None for value in flags):
         raise ValueError("--coordinator-address, --num-processes and --process-id go together")

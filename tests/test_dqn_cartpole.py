@@ -868,6 +868,18 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(argv, flag, tmp_path, caps
     assert not out_dir.exists()
 
 
+def test_a_slurm_job_without_its_cluster_is_one_line(tmp_path):
+    """A SLURM task count with none of the job's other variables (JAX finds no coordinator):
+    one line naming the variable and the flags to give, exit 2, nothing written; here as
+    task 1, whose watcher passes the child's line on."""
+    env = {**os.environ, "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}
+    argv = [sys.executable, dqn.__file__, "--output-dir", str(tmp_path / "out")]
+    result = subprocess.run(argv, capture_output=True, text=True, env=env)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "SLURM_NTASKS=2" in result.stderr and "--coordinator-address" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_output_dir_that_is_a_file_and_load_without_params(tmp_path, capsys):
     a_file = tmp_path / "file"
     a_file.write_text("x")

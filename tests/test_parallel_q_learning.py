@@ -352,6 +352,17 @@ def test_cli_errors_are_one_line_and_write_nothing(tmp_path, capsys, argv, flag)
     assert not output.exists()
 
 
+def test_an_mpi_job_without_its_cluster_is_one_line(tmp_path):
+    """An Open MPI world size with none of the job's other variables (JAX finds no
+    coordinator): one line naming the variable and the flags to give, exit 2, nothing written."""
+    env = {**os.environ, "OMPI_COMM_WORLD_SIZE": "3"}
+    argv = [sys.executable, pq.__file__, "--output-dir", str(tmp_path / "out")]
+    result = subprocess.run(argv, capture_output=True, text=True, env=env)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "OMPI_COMM_WORLD_SIZE=3" in result.stderr and "--coordinator-address" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_refuses_bad_map_file_and_file_as_output_dir(tmp_path, capsys):
     bad_map = tmp_path / "bad.txt"
     bad_map.write_text("S..\n.G")
