@@ -699,18 +699,13 @@ def train_agents(config: Config, env, network, seed: int, grid: HParams, plan: S
     # runs (dispatched, not awaited) while the block programs compile.
     if start is None:
         carry, metrics = init_all(keys, hparams)
-    run = {}
-    for steps in {steps for _, steps in blocks[done:]}:  # a shorter last block: another shape
-        block_all = on_devices(partial(run_blocks, steps=steps), (spec, spec, PartitionSpec()))
-        run[steps] = block_all.lower(shapes, hparams, np.zeros(1, np.int32)).compile()
-    if start is None:
-        metrics = gather(metrics)
     else:  # a checkpoint's agents, padded anew (repeating the last real one) for this layout
         _, leaves, metrics = start
         real = len(grid.gamma) * config.num_seeds
         agent = np.minimum(np.arange(plan.padded_seeds), real - 1)
-        shapes = shapes._replace(key=jax.eval_shape(jax.random.key_data, shapes.key))
-        if [x.shape[1:] for x in leaves] != [x.shape[1:] for x in jax.tree.leaves(shapes)]:
+        wanted = shapes._replace(key=jax.eval_shape(jax.random.key_data, shapes.key))
+        wanted = [(x.shape[1:], x.dtype) for x in jax.tree.leaves(wanted)]
+        if [(x.shape[1:], x.dtype) for x in leaves] != wanted:
             sys.exit("dqn_cartpole.py: error: --resume: the checkpoint does not fit its own config")
         sharding = NamedSharding(mesh, spec)
         leaves = [x[agent] for x in leaves]
@@ -718,6 +713,12 @@ def train_agents(config: Config, env, network, seed: int, grid: HParams, plan: S
         carry = jax.tree.unflatten(jax.tree.structure(shapes), leaves)
         carry = carry._replace(key=jax.random.wrap_key_data(carry.key))
         metrics = {name: x[agent] for name, x in metrics.items()}
+    run = {}
+    for steps in {steps for _, steps in blocks[done:]}:  # a shorter last block: another shape
+        block_all = on_devices(partial(run_blocks, steps=steps), (spec, spec, PartitionSpec()))
+        run[steps] = block_all.lower(shapes, hparams, np.zeros(1, np.int32)).compile()
+    if start is None:
+        metrics = gather(metrics)
     timings.update(compile_time_s=time.perf_counter() - clock, train_time_s=0.0)
     for block, steps in blocks[done:]:
         clock = time.perf_counter()

@@ -987,7 +987,8 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path):
     """Ctrl-C mid-training: the block in progress ends, the run so far is saved (summary,
     curves, params, figure and a checkpoint of the whole training state), one line says how to
     go on, exit 130, no traceback. --resume then ends with the very files of a run never
-    stopped, bit for bit, and drops the checkpoint. Every run takes exactly 9,734 steps."""
+    stopped, bit for bit, and drops the checkpoint; a damaged copy of it is one line. Every run
+    takes exactly 9,734 steps."""
     stopped, whole = tmp_path / "stopped", tmp_path / "whole"
     argv = [dqn.__file__, *RESUME_ARGS, "--output-dir", str(stopped)]
     code, printed = run_and_interrupt(argv, signal.SIGINT, "10%")
@@ -996,6 +997,14 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path):
     summary = json.loads((stopped / "summary.json").read_text())
     assert 0 < summary["steps_done"] < 9_734 and summary["steps_done"] % 500 == 0
     assert (stopped / dqn.CHECKPOINT).exists() and (stopped / "learning_curves.png").exists()
+    with np.load(stopped / dqn.CHECKPOINT) as file:
+        arrays = dict(file)
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for leaf in (arrays["carry_0"].astype(np.float64), arrays["carry_0"][..., None]):
+        np.savez(damaged / dqn.CHECKPOINT, **{**arrays, "carry_0": leaf})
+        with pytest.raises(SystemExit, match="the checkpoint does not fit its own config"):
+            dqn.main(["--resume", str(damaged)])  # before the block compiles, not a traceback
     dqn.main(["--resume", str(stopped)])
     dqn.main([*RESUME_ARGS, "--output-dir", str(whole)])
     for name in ("params.msgpack", "curves.csv"):
