@@ -1135,12 +1135,14 @@ def render_median(config: Config, env, network, params, returns: np.ndarray, pat
     plt.close(fig)
 
 
-def check_coordinator(address: str, process_id: int, timeout: float) -> None:
+def check_coordinator(address: str, process_id: int, num_processes: int, timeout: float) -> None:
     """One-line errors for a cluster that cannot form: JAX would abort with a C++ trace. Process 0
-    must be able to listen on the port; the others wait up to `timeout` s for it to listen."""
+    must be able to listen on the port; the others knock there, waiting up to `timeout` s for it
+    to listen, and it waits as long for all of them to knock before JAX's coordinator starts."""
     host, _, port = address.rpartition(":")
     if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 2**16:
         raise ValueError(f"--coordinator-address {address!r}: expected HOST:PORT, a port 1-65535")
+    deadline = time.monotonic() + timeout
     if process_id == 0:
         with socket.socket() as probe:
             # As the coordinator will: a port that a run just ended on (TIME_WAIT) is free.
@@ -1150,6 +1152,17 @@ def check_coordinator(address: str, process_id: int, timeout: float) -> None:
             except OSError as error:
                 message = f"--coordinator-address {address}: cannot listen ({error})"
                 raise ValueError(message) from None
+            probe.listen()
+            for knocked in range(num_processes - 1):
+                probe.settimeout(max(deadline - time.monotonic(), 1e-3))
+                try:
+                    probe.accept()[0].close()
+                except OSError:  # the time-out
+                    raise ValueError(
+                        f"--coordinator-address {address}: {knocked} of the {num_processes - 1} "
+                        f"other processes came within {timeout:g} s (--cluster-timeout); are "
+                        "they all running?"
+                    ) from None
         return
     deadline = time.monotonic() + timeout
     while True:
@@ -1197,7 +1210,9 @@ def join_cluster(args) -> None:
         raise ValueError(f"--num-processes must be in [1, 2^31), got {args.num_processes}")
     if not 0 <= args.process_id < args.num_processes:
         raise ValueError(f"--process-id must be in [0, --num-processes), got {args.process_id}")
-    check_coordinator(args.coordinator_address, args.process_id, args.cluster_timeout)
+    check_coordinator(
+        args.coordinator_address, args.process_id, args.num_processes, args.cluster_timeout
+    )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes gather
     recover()
     jax.distributed.initialize(

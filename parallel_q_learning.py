@@ -994,12 +994,14 @@ def remove_if_empty(folder: Path) -> None:
             path.rmdir()
 
 
-def check_coordinator(address: str, process_id: int, timeout: float) -> None:
+def check_coordinator(address: str, process_id: int, num_processes: int, timeout: float) -> None:
     """One-line errors for a cluster that cannot form: JAX would abort with a C++ trace. Process 0
-    must be able to listen on the port; the others wait up to `timeout` s for it to listen."""
+    must be able to listen on the port; the others knock there, waiting up to `timeout` s for it
+    to listen, and it waits as long for all of them to knock before JAX's coordinator starts."""
     host, _, port = address.rpartition(":")
     if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 2**16:
         fail(f"--coordinator-address {address!r}: expected HOST:PORT, a port from 1 to 65535")
+    deadline = time.monotonic() + timeout
     if process_id == 0:
         with socket.socket() as probe:
             # As the coordinator will: a port that a run just ended on (TIME_WAIT) is free.
@@ -1008,6 +1010,17 @@ def check_coordinator(address: str, process_id: int, timeout: float) -> None:
                 probe.bind(("", int(port)))
             except OSError as error:
                 fail(f"--coordinator-address {address}: cannot listen ({error})")
+            probe.listen()
+            for knocked in range(num_processes - 1):
+                probe.settimeout(max(deadline - time.monotonic(), 1e-3))
+                try:
+                    probe.accept()[0].close()
+                except OSError:  # the time-out
+                    fail(
+                        f"--coordinator-address {address}: {knocked} of the {num_processes - 1} "
+                        f"other processes came within {timeout:g} s (--cluster-timeout); are "
+                        "they all running?"
+                    )
         return
     deadline = time.monotonic() + timeout
     while True:
@@ -1052,7 +1065,7 @@ def join_cluster(coordinator_address, num_processes, process_id, cluster_timeout
             fail(f"--num-processes must be in [1, 2^31), got {num_processes}")
         if not 0 <= process_id < num_processes:
             fail(f"--process-id must be in [0, --num-processes), got {process_id}")
-        check_coordinator(coordinator_address, process_id, cluster_timeout)
+        check_coordinator(coordinator_address, process_id, num_processes, cluster_timeout)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes gather
         recover()
         jax.distributed.initialize(

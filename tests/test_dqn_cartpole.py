@@ -577,6 +577,19 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def test_process_0_alone_is_one_line_once_the_cluster_timeout_passes(tmp_path, capsys):
+    """Process 0 of two whose peer never starts: one line after --cluster-timeout (JAX would
+    abort with a C++ stack trace), exit 2, nothing written."""
+    cluster = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
+    argv = [*cluster, "--process-id", "0", "--cluster-timeout", "1"]
+    with pytest.raises(SystemExit) as exit_info:
+        dqn.main([*argv, "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "0 of the 1 other processes came within 1 s (--cluster-timeout)" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "4000"]  # 8 blocks, several gathers
 # Long enough for a process to be killed mid-training: 40 blocks (the same compiled programs).
 LONG_CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "20000"]

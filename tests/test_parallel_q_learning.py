@@ -448,6 +448,22 @@ def test_seed_i_is_the_same_agent_whatever_num_seeds(tmp_path):
     np.testing.assert_array_equal(tables[3], tables[40])
 
 
+def test_process_0_alone_is_one_line_once_the_cluster_timeout_passes(tmp_path, capsys):
+    """Process 0 of three whose peers never start: one line after --cluster-timeout (JAX would
+    abort with a C++ stack trace), exit 2, nothing written."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cluster = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "3"]
+    argv = [*cluster, "--process-id", "0", "--cluster-timeout", "1"]
+    with pytest.raises(SystemExit) as exit_info:
+        pq.main([*argv, "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert "0 of the 2 other processes came within 1 s (--cluster-timeout)" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
     """Two processes on 127.0.0.1, one CPU device each, form one JAX cluster: the seeds are
     sharded over both, only process 0 writes, both exit 0, and every agent is bit for bit the
