@@ -1001,6 +1001,10 @@ def check_coordinator(address: str, process_id: int, num_processes: int, timeout
     host, _, port = address.rpartition(":")
     if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 2**16:
         fail(f"--coordinator-address {address!r}: expected HOST:PORT, a port from 1 to 65535")
+    try:  # JAX's client would abort
+        socket.getaddrinfo(host, int(port))
+    except OSError as error:
+        fail(f"--coordinator-address {address}: cannot resolve {host!r} ({error})")
     deadline = time.monotonic() + timeout
     if process_id == 0:
         with socket.socket() as probe:

@@ -326,6 +326,10 @@ CLUSTER = ["--coordinator-address", "127.0.0.1:9", "--num-processes", "2"]
         ([*CLUSTER, "--process-id", "2"], "--process-id"),
         (["--coordinator-address", "x", "--num-processes", "2", "--process-id", "1"], "HOST:PORT"),
         ([*CLUSTER, "--process-id", "1", "--cluster-timeout", "0.5"], "--cluster-timeout"),
+        (
+            ["--coordinator-address", "no.invalid:1", "--num-processes", "1", "--process-id", "0"],
+            "cannot resolve",
+        ),
         ([*CLUSTER[:2], "--num-processes", str(2**31), "--process-id", "0"], "--num-processes"),
         (
             ["--coordinator-address", "x:\u0665", "--num-processes", "1", "--process-id", "0"],
