@@ -744,13 +744,8 @@ class Progress:
     every 10% (a log file gets no carriage returns). Process 0 speaks for the cluster."""
 
     def __init__(self, num_agents: int, first: int, total: int, terminal=None):
-        self.agents, self.first, self.total, self.next_line, self.bar = (
-            num_agents,
-            first,
-            total,
-            0,
-            None,
-        )
+        self.agents, self.first, self.total = num_agents, first, total
+        self.next_line, self.bar = 0.0, None
         if jax.process_index() == 0 and (sys.stderr.isatty() if terminal is None else terminal):
             self.bar = tqdm(total=total, initial=first, unit="steps", file=sys.stderr)
 
