@@ -18,7 +18,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_cache_")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 # Every program, not only those over JAX's default of a second to compile: the small ones add up
-# (the suite in 0.97x the time, 2 alternating runs each on 2 cores, 2026-11-25).
+# (measured: README, "Tests and layout").
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 # A suite started in the background by a script (`pytest &`) inherits Ctrl-C ignored, and so
