@@ -1164,7 +1164,6 @@ def check_coordinator(address: str, process_id: int, num_processes: int, timeout
                         "they all running?"
                     ) from None
         return
-    deadline = time.monotonic() + timeout
     while True:
         try:
             socket.create_connection((host, int(port)), timeout=1).close()

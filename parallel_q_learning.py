@@ -1026,7 +1026,6 @@ def check_coordinator(address: str, process_id: int, num_processes: int, timeout
                         "they all running?"
                     )
         return
-    deadline = time.monotonic() + timeout
     while True:
         try:
             return socket.create_connection((host, int(port)), timeout=1).close()
