@@ -947,6 +947,22 @@ def save_checkpoint(output: Path, config: Config, points: list, done: int, carry
         np.savez(file, run=run, blocks_done=done, **arrays)
 
 
+def saved_config(saved: dict) -> Config:
+    """The Config of a run's summary.json or checkpoint. A value whose type is not its field's
+    (hand-edited: a width of 16.0, a float step count) is a ValueError here, not a traceback
+    later; JSON keeps a tuple as a list and may keep a float as an int."""
+    defaults = {field.name: field.default for field in dataclasses.fields(Config)}
+    for name, value in saved.items():
+        default = defaults.get(name, value)  # not a field: Config's own error names it
+        if isinstance(default, tuple):  # hidden_sizes: a list of ints
+            ok = isinstance(value, list) and all(type(item) is int for item in value)
+        else:  # an int may stand for a float; a bool stands for nothing else
+            ok = type(value) is type(default) or (type(default), type(value)) == (float, int)
+        if not ok:
+            raise ValueError(f"{name} {value!r} is not of the type of its default, {default!r}")
+    return Config(**{name: tuple(v) if type(v) is list else v for name, v in saved.items()})
+
+
 def load_checkpoint(folder: str) -> tuple[Config, list, tuple]:
     """(Config, grid points, (blocks done, carry leaves, metrics)) of a run that saved a
     checkpoint; any problem is a one-line ValueError."""
@@ -957,8 +973,7 @@ def load_checkpoint(folder: str) -> tuple[Config, list, tuple]:
             leaves = [file[f"carry_{i}"] for i in range(num_leaves)]
             metrics = {name: file[f"metrics_{name}"] for name in CURVES}
             done = int(file["blocks_done"])
-        saved = run["config"]
-        config = Config(**{**saved, "hidden_sizes": tuple(saved["hidden_sizes"])})
+        config = saved_config(run["config"])
         for point in run["points"]:  # each a valid grid point (KeyError for a missing value)
             grid_points({name: (float(point[name]),) for name in HParams._fields})
         blocks = sum(count for _, count, _ in config.blocks)
@@ -1295,8 +1310,7 @@ def load_run(folder: str) -> tuple[Config, Any, list | None]:
     problem is a one-line ValueError."""
     try:
         summary = json.loads((Path(folder) / "summary.json").read_text())
-        saved = summary["config"]
-        config = Config(**{**saved, "hidden_sizes": tuple(saved["hidden_sizes"])})
+        config = saved_config(summary["config"])
         params = flax.serialization.msgpack_restore((Path(folder) / "params.msgpack").read_bytes())
         grid = [{name: float(p["hparams"][name]) for name in HParams._fields} for p in
                 summary["grid"]] if "grid" in summary else None  # fmt: skip

@@ -1072,6 +1072,32 @@ def test_load_refuses_params_of_fewer_agents_than_the_summary_says(tmp_path, cap
     assert exit_info.value.code == 2 and len(err) == 1 and f"its {TINY.num_seeds} agents" in err[0]
 
 
+def test_a_saved_config_of_other_types_is_refused_as_it_is_read(tmp_path, capsys):
+    """A hand-edited value whose type is not its field's (a width of 16.0, a float seed count, a
+    number for a flag) is one line as --load or --resume reads it, not a traceback later; the
+    saved config itself, and an int for a float, are taken as they are."""
+    saved = json.loads(json.dumps(dataclasses.asdict(TINY)))  # as summary.json holds it
+    assert dqn.saved_config(saved) == TINY
+    assert dqn.saved_config(saved | {"gamma": 1}) == dataclasses.replace(TINY, gamma=1.0)
+    bad = [("hidden_sizes", [16.0, 16.0]), ("hidden_sizes", 16), ("num_seeds", 3.0)]
+    bad += [("env", 5), ("layer_norm", "yes"), ("double_dqn", 1), ("learning_rate", None)]
+    for name, value in bad:
+        with pytest.raises(ValueError, match=f"^{name} .* is not of the type of its default"):
+            dqn.saved_config(saved | {name: value})
+    edited = saved | {"hidden_sizes": [16.0, 16.0]}
+    (tmp_path / "summary.json").write_text(json.dumps({"config": edited}))
+    (tmp_path / "params.msgpack").write_bytes(b"")
+    (tmp_path / "curves.csv").write_text("seed,step\n")
+    run = json.dumps({"config": edited, "points": [TINY.hparams()._asdict()]})
+    metrics = {f"metrics_{name}": np.zeros((TINY.num_seeds, 1)) for name in dqn.CURVES}
+    np.savez(tmp_path / dqn.CHECKPOINT, run=run, blocks_done=0, **metrics)
+    for flag in ("--load", "--resume"):
+        with pytest.raises(SystemExit) as exit_info:
+            dqn.main([flag, str(tmp_path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and len(err) == 1 and "hidden_sizes [16.0" in err[0], err
+
+
 def test_stopped_at_once_before_anything_was_saved_leaves_no_folder(tmp_path):
     """Ctrl-C twice while the first block compiles: the second stops the run at once (exit 130,
     no traceback), and its folder, still empty, is removed. The first block is long (50k steps),
