@@ -911,6 +911,29 @@ def main(argv: list[str] | None = None) -> None:
           f"wall {summary['wall_time_s']:.1f} s")  # fmt: skip
 
 
+class ReaderMayLeave:
+    """stdout whose reader may close it (`| head -3`): from then on its lines go to /dev/null and
+    the run goes on, to be saved whole rather than lost to a BrokenPipeError."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+    def write(self, text: str) -> int:
+        return self.dropped_if_closed(self.stream.write, text) or len(text)
+
+    def flush(self) -> None:
+        self.dropped_if_closed(self.stream.flush)
+
+    def dropped_if_closed(self, method, *args):
+        try:
+            return method(*args)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+
 class Stopped(Exception):
     """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt."""
 
@@ -921,6 +944,7 @@ def stop(signum, frame):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, stop)
+    sys.stdout = ReaderMayLeave(sys.stdout)
     try:
         main()
     except (KeyboardInterrupt, Stopped) as interrupt:

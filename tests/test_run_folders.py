@@ -4,6 +4,7 @@ for a JAX platform the machine lacks."""
 
 import fcntl
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,6 +17,14 @@ import parallel_q_learning
 import q_learning_gridworld
 
 SCRIPTS = [q_learning_gridworld, dqn_cartpole, parallel_q_learning]
+# A short run of each, as its own tests make one (their programs are in the compilation cache).
+SHORT_RUNS = {
+    q_learning_gridworld: "--num-seeds 3 --layout maze",
+    dqn_cartpole: "--total-timesteps 1000 --eval-every 500 --num-seeds 3 --hidden-sizes 16,16 "
+    "--buffer-size 256 --batch-size 16 --train-frequency 2 --target-update-interval 100 "
+    "--learning-starts 200 --eval-episodes 2",
+    parallel_q_learning: "--num-seeds 3 --total-timesteps 2000 --learning-rates 0.1,0.5",
+}
 pytestmark = pytest.mark.parametrize("script", SCRIPTS, ids=lambda module: module.__name__)
 
 
@@ -144,3 +153,19 @@ def test_an_output_folder_this_user_cannot_write_to_is_one_line(
     err = printed.err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and "--output-dir" in err[0], err
     assert "compile" not in printed.out and not any(tmp_path.iterdir())
+
+
+def test_a_reader_that_leaves_after_the_first_line_does_not_lose_the_run(script, tmp_path):
+    """`script.py | head -1`: stdout closed once its first line is read. The run goes on and is
+    saved whole, exit 0, no traceback; a BrokenPipeError at the next line used to lose it."""
+    output = tmp_path / "run"
+    argv = [sys.executable, "-u", script.__file__, *shlex.split(SHORT_RUNS[script])]
+    process = subprocess.Popen(
+        [*argv, "--output-dir", str(output)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert process.stdout.readline()
+    process.stdout.close()  # as head does: the lines still to come have no reader
+    err = process.stderr.read()
+    assert process.wait(timeout=300) == 0 and "Traceback" not in err, err
+    assert all((output / name).is_file() for name in script.RUN_FILES), sorted(output.iterdir())
