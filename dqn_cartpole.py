@@ -472,6 +472,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
+# Figures go to files: Agg, whatever MPLBACKEND says (a notebook's `!python` passes its own on,
+# which this environment may lack: matplotlib would not even import).
+os.environ["MPLBACKEND"] = "Agg"
+
 BOOTSTRAP_SAMPLES = 2_000
 # On a CPU, seeds vmapped 16 at a time, batch after batch, stay in cache: faster than all
 # of a device's seeds at once (measured: see README). A GPU wants every seed at once.
@@ -1245,7 +1249,8 @@ def shown(value) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """One --flag per Config field, its help from the field, its default shown as typed; a
     flag left out parses as None (main fills in the Config's default, or the --load run's env
-    and network). exit_on_error=False: main prints a bad input as one line (argparse, two)."""
+    and network). Its errors are ValueErrors, which main prints as one line (argparse adds its
+    usage, and with exit_on_error=False it still would for an ambiguous abbreviation)."""
     sweep_flags = ", ".join(flag(name) for name in HParams._fields)
     epilog = (
         f"Sweeps: {sweep_flags} each take a comma-separated list. Every combination (the first "
@@ -1257,8 +1262,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dqn_cartpole.py",
         description=__doc__.splitlines()[0],
         epilog=epilog,
-        exit_on_error=False,
     )
+
+    def error(message: str):
+        raise ValueError(message)
+
+    parser.error = error
 
     def comma_ints(text: str) -> tuple[int, ...]:  # argparse says "invalid comma_ints value"
         return tuple(int(width) for width in text.split(","))
@@ -1432,9 +1441,7 @@ def parse_command(argv: list[str] | None):
     line. A flag left out takes the Config's default, or with --load the saved run's env and
     network; --resume takes the whole run from its checkpoint; a sweep's Config holds its first
     grid point. ValueError('--flag problem') for a bad input."""
-    args, unknown = build_parser().parse_known_args(argv)
-    if unknown:
-        raise ValueError(f"unrecognized arguments: {' '.join(unknown)}")
+    args = build_parser().parse_args(argv)
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)}
     given = {name: value for name, value in given.items() if value is not None}
     if args.checkpoint_every < 0:
@@ -1640,7 +1647,7 @@ def main(argv: list[str] | None = None) -> None:
             replaced = output.resolve() not in kept  # a loaded or resumed run keeps its files
             if replaced and not args.load:  # --load: just before writing, after evaluating
                 clear_folder(output)
-    except (argparse.ArgumentError, ValueError, MemoryError, OSError) as error:
+    except (ValueError, MemoryError, OSError) as error:
         print(f"dqn_cartpole.py: error: {error}", file=sys.stderr)
         sys.exit(2)
     print(f"output {output}/")
@@ -1704,9 +1711,9 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(128 + stopped)
 
 
-class ReaderMayLeave:
-    """stdout whose reader may close it (`| head -3`): from then on its lines go to /dev/null and
-    the run goes on, to be saved whole rather than lost to a BrokenPipeError."""
+class BestEffortStdout:
+    """stdout, written while it can be: once it cannot (its reader left, `| head -1`; a full
+    disk, `> /dev/full`), its lines go to /dev/null and the run goes on, to be saved whole."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -1715,15 +1722,15 @@ class ReaderMayLeave:
         return getattr(self.stream, name)
 
     def write(self, text: str) -> int:
-        return self.dropped_if_closed(self.stream.write, text) or len(text)
+        return self.best_effort(self.stream.write, text) or len(text)
 
     def flush(self) -> None:
-        self.dropped_if_closed(self.stream.flush)
+        self.best_effort(self.stream.flush)
 
-    def dropped_if_closed(self, method, *args):
+    def best_effort(self, method, *args):
         try:
             return method(*args)
-        except BrokenPipeError:
+        except OSError:  # a BrokenPipeError, say: from now on, /dev/null
             os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
 
 
@@ -1781,7 +1788,8 @@ if __name__ == "__main__":
     if "DQN_CARTPOLE_WATCHED" not in os.environ and rank(sys.argv[1:]) > 0:
         sys.exit(watch(sys.argv[1:]))
     signal.signal(signal.SIGTERM, stop)
-    sys.stdout = ReaderMayLeave(sys.stdout)
+    # None: stdout was closed before the start (`>&-`)
+    sys.stdout = BestEffortStdout(sys.stdout or open(os.devnull, "w"))  # noqa: SIM115
     try:
         main()
     except (KeyboardInterrupt, Stopped) as interrupt:

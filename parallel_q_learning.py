@@ -415,12 +415,13 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-import matplotlib
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-matplotlib.use("Agg")  # figures go to files; no display needed
+# Figures go to files: Agg, whatever MPLBACKEND says (a notebook's `!python` passes its own on,
+# which this environment may lack: matplotlib would not even import).
+os.environ["MPLBACKEND"] = "Agg"
 import matplotlib.pyplot as plt
 
 # --layout's maps; maze (shortest path 22 steps) and four_rooms (20) have walls.
@@ -1166,9 +1167,9 @@ def main(argv: list[str] | None = None) -> None:
     )
 
 
-class ReaderMayLeave:
-    """stdout whose reader may close it (`| head -3`): from then on its lines go to /dev/null and
-    the run goes on, to be saved whole rather than lost to a BrokenPipeError."""
+class BestEffortStdout:
+    """stdout, written while it can be: once it cannot (its reader left, `| head -1`; a full
+    disk, `> /dev/full`), its lines go to /dev/null and the run goes on, to be saved whole."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -1177,15 +1178,15 @@ class ReaderMayLeave:
         return getattr(self.stream, name)
 
     def write(self, text: str) -> int:
-        return self.dropped_if_closed(self.stream.write, text) or len(text)
+        return self.best_effort(self.stream.write, text) or len(text)
 
     def flush(self) -> None:
-        self.dropped_if_closed(self.stream.flush)
+        self.best_effort(self.stream.flush)
 
-    def dropped_if_closed(self, method, *args):
+    def best_effort(self, method, *args):
         try:
             return method(*args)
-        except BrokenPipeError:
+        except OSError:  # a BrokenPipeError, say: from now on, /dev/null
             os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
 
 
@@ -1243,7 +1244,8 @@ if __name__ == "__main__":
     if "PARALLEL_Q_LEARNING_WATCHED" not in os.environ and rank(sys.argv[1:]) > 0:
         sys.exit(watch(sys.argv[1:]))
     signal.signal(signal.SIGTERM, stop)
-    sys.stdout = ReaderMayLeave(sys.stdout)
+    # None: stdout was closed before the start (`>&-`)
+    sys.stdout = BestEffortStdout(sys.stdout or open(os.devnull, "w"))  # noqa: SIM115
     try:
         main()
     except (KeyboardInterrupt, Stopped) as interrupt:

@@ -364,6 +364,10 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+# Figures go to files: Agg, whatever MPLBACKEND says (a notebook's `!python` passes its own on,
+# which this environment may lack: matplotlib would not even import).
+os.environ["MPLBACKEND"] = "Agg"
+
 # The built-in maps for --layout. "maze" (shortest path 22 steps) and "four_rooms" (20) have
 # walls and were not used to choose the hyperparameters.
 LAYOUTS = {
@@ -911,9 +915,9 @@ def main(argv: list[str] | None = None) -> None:
           f"wall {summary['wall_time_s']:.1f} s")  # fmt: skip
 
 
-class ReaderMayLeave:
-    """stdout whose reader may close it (`| head -3`): from then on its lines go to /dev/null and
-    the run goes on, to be saved whole rather than lost to a BrokenPipeError."""
+class BestEffortStdout:
+    """stdout, written while it can be: once it cannot (its reader left, `| head -1`; a full
+    disk, `> /dev/full`), its lines go to /dev/null and the run goes on, to be saved whole."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -922,15 +926,15 @@ class ReaderMayLeave:
         return getattr(self.stream, name)
 
     def write(self, text: str) -> int:
-        return self.dropped_if_closed(self.stream.write, text) or len(text)
+        return self.best_effort(self.stream.write, text) or len(text)
 
     def flush(self) -> None:
-        self.dropped_if_closed(self.stream.flush)
+        self.best_effort(self.stream.flush)
 
-    def dropped_if_closed(self, method, *args):
+    def best_effort(self, method, *args):
         try:
             return method(*args)
-        except BrokenPipeError:
+        except OSError:  # a BrokenPipeError, say: from now on, /dev/null
             os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
 
 
@@ -944,7 +948,8 @@ def stop(signum, frame):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, stop)
-    sys.stdout = ReaderMayLeave(sys.stdout)
+    # None: stdout was closed before the start (`>&-`)
+    sys.stdout = BestEffortStdout(sys.stdout or open(os.devnull, "w"))  # noqa: SIM115
     try:
         main()
     except (KeyboardInterrupt, Stopped) as interrupt:

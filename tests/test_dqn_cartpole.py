@@ -816,6 +816,7 @@ BAD_INPUTS = [
     (["--hidden-sizes", "64,x"], "--hidden-sizes"),
     (["--num-seeds", "two"], "--num-seeds"),
     (["--no-such-flag"], "--no-such-flag"),
+    (["--eval", "5"], "--eval-every"),  # an abbreviation of two flags: argparse prints its usage
     (["--buffer-size", "256,512"], "--buffer-size"),  # a list on a flag that sets a shape
     (["--num-seeds", "2,4"], "--num-seeds"),
     (["--gamma", "0.99,1.5"], "--gamma"),  # one bad value in a sweep list

@@ -155,17 +155,29 @@ def test_an_output_folder_this_user_cannot_write_to_is_one_line(
     assert "compile" not in printed.out and not any(tmp_path.iterdir())
 
 
-def test_a_reader_that_leaves_after_the_first_line_does_not_lose_the_run(script, tmp_path):
-    """`script.py | head -1`: stdout closed once its first line is read. The run goes on and is
-    saved whole, exit 0, no traceback; a BrokenPipeError at the next line used to lose it."""
+def test_a_run_from_a_pipe_or_a_notebook_is_saved_whole(script, tmp_path):
+    """`script.py | head -1` from a notebook cell: stdout closed once its first line is read (a
+    BrokenPipeError at the next line used to lose the run), and the notebook's MPLBACKEND, which
+    this environment lacks (matplotlib would not import). The run goes on and is saved whole,
+    figures included, exit 0, no traceback."""
     output = tmp_path / "run"
     argv = [sys.executable, "-u", script.__file__, *shlex.split(SHORT_RUNS[script])]
     process = subprocess.Popen(
         [*argv, "--output-dir", str(output)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "MPLBACKEND": "module://matplotlib_inline.backend_inline"},
     )  # fmt: skip
     assert process.stdout.readline()
     process.stdout.close()  # as head does: the lines still to come have no reader
     err = process.stderr.read()
     assert process.wait(timeout=300) == 0 and "Traceback" not in err, err
     assert all((output / name).is_file() for name in script.RUN_FILES), sorted(output.iterdir())
+    assert any(path.suffix == ".png" for path in output.iterdir()), sorted(output.iterdir())
+
+
+def test_a_stdout_that_cannot_be_written_goes_to_dev_null(script):
+    with open("/dev/full", "w") as full:  # every write: "No space left on device"
+        stdout = script.BestEffortStdout(full)
+        print("a line", file=stdout, flush=True)  # no OSError
+        print("another", file=stdout, flush=True)
+        assert os.path.samefile(f"/proc/self/fd/{full.fileno()}", os.devnull)
