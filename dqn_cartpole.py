@@ -1451,12 +1451,15 @@ def parse_command(argv: list[str] | None):
             raise ValueError(f"--{name} must name a run's folder")
     if args.solved_return is not None and not abs(args.solved_return) < 3.4e38:  # NaN too
         raise ValueError("--solved-return must be a finite float32")
-    if args.resume:  # the run goes on as it was started: no flag may change it
-        others = [flag(name) for name in given] + ["--load"] * bool(args.load)
-        others += [name for name in ("--replot", "--render", "--overwrite") if
-                   getattr(args, name[2:])]  # fmt: skip
-        if others:
-            raise ValueError(f"--resume continues the run as it was started; leave out {others[0]}")
+    # --replot and --resume take the saved run as it is: no other flag may change it.
+    others = [flag(name) for name in given]
+    others += [name for name in ("--replot", "--resume", "--load", "--render", "--overwrite") if
+               getattr(args, name[2:])]  # fmt: skip
+    for name, what in (("--replot", "redraws the saved run"), ("--resume", "continues the run")):
+        if getattr(args, name[2:]) and others != [name]:
+            rest = next(other for other in others if other != name)
+            raise ValueError(f"{name} {what} as it was saved; leave out {rest}")
+    if args.resume:
         config, points, start = load_checkpoint(args.resume)
         return args, config, points, None, start
     lists = {

@@ -749,11 +749,14 @@ def parse_config(argv: list[str] | None = None) -> Config | Path:
     overwrite_help = "replace the run in an --output-dir that holds one"
     parser.add_argument("--overwrite", action="store_true", help=overwrite_help)
     args = vars(parser.parse_args(argv))
-    run_dir, overwrite = args.pop("replot", None), args.pop("overwrite")
+    if "replot" in args:  # the saved run's figures: no other flag may change them
+        if given := [name for name, x in vars(parser.parse_args([])).items() if args[name] != x]:
+            other = "--" + given[0].replace("_", "-")
+            fail(f"--replot redraws the saved run as it was saved; leave out {other}")
+        return args["replot"]
+    overwrite = args.pop("overwrite")
     try:
-        config = Config(**args)  # checked with --replot too: a bad flag is one line there as well
-        if run_dir is not None:
-            return run_dir
+        config = Config(**args)
         return dataclasses.replace(config, output_dir=run_folder(config.output_dir, overwrite))
     except ValueError as error:
         fail(str(error))

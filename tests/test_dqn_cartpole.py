@@ -1118,11 +1118,13 @@ def test_stopped_at_once_before_anything_was_saved_leaves_no_folder(tmp_path):
     assert not folder.exists(), sorted(folder.iterdir())
 
 
-def test_resume_refuses_other_flags_and_a_folder_without_a_checkpoint(tmp_path, capsys):
+def test_resume_and_replot_refuse_other_flags_and_a_folder_without_a_checkpoint(tmp_path, capsys):
     for argv, flag in [
         (["--resume", str(tmp_path)], "--resume"),
         (["--resume", str(tmp_path), "--gamma", "0.9"], "--gamma"),
         (["--resume", str(tmp_path), "--overwrite"], "--overwrite"),
+        (["--replot", str(tmp_path), "--total-timesteps", "5"], "leave out --total-timesteps"),
+        (["--replot", str(tmp_path), "--load", str(tmp_path)], "leave out --load"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             dqn.main(argv)

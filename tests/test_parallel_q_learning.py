@@ -537,10 +537,11 @@ def test_replot_does_not_train_and_a_bad_folder_or_flag_is_one_line(tmp_path, ca
         pq.main(["--replot", str(tmp_path)])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and "--replot" in err, err
-    with pytest.raises(SystemExit) as exit_info:  # the other flags are checked as for a run
-        pq.main(["--replot", str(tmp_path), "--num-seeds", "0"])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("\n") == 1 and "--num-seeds" in err, err
+    for flag, value in (("--num-seeds", "0"), ("--gamma", "0.5"), ("--overwrite", None)):
+        with pytest.raises(SystemExit) as exit_info:  # any other flag: the figures are the run's
+            pq.main(["--replot", str(tmp_path), flag, *([value] if value else [])])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1 and f"leave out {flag}" in err
 
 
 def test_help_shows_defaults_as_typed(capsys):

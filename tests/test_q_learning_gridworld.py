@@ -651,10 +651,11 @@ def test_replot_of_a_folder_that_is_no_run_or_with_a_bad_flag_is_one_line(tmp_pa
         qlg.main(["--replot", str(tmp_path)])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and "--replot" in err, err
-    with pytest.raises(SystemExit) as exit_info:  # the other flags are checked as for a run
-        qlg.main(["--replot", str(tmp_path), "--num-seeds", "0"])
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("\n") == 1 and "--num-seeds" in err, err
+    for flag, value in (("--num-seeds", "0"), ("--gamma", "0.5"), ("--overwrite", None)):
+        with pytest.raises(SystemExit) as exit_info:  # any other flag: the figures are the run's
+            qlg.main(["--replot", str(tmp_path), flag, *([value] if value else [])])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1 and f"leave out {flag}" in err
 
 
 def test_each_run_gets_a_new_folder_and_a_named_one_is_kept_unless_overwrite(
