@@ -871,14 +871,18 @@ CURVES = ("step", "eval_return", "train_return", "loss")  # curves.csv's columns
 
 @contextlib.contextmanager
 def atomic_open(path: Path, mode: str = "w"):
-    """Write to a temporary name beside path, then rename: no reader sees half a file."""
+    """Write to a temporary name beside path, then rename: no reader sees half a file. A write
+    that fails (a full disk, say) ends the script with one line."""
     try:
         with open(temporary(path), mode) as file:
             yield file
-    except BaseException:  # an error, Ctrl-C: no temporary file left behind
+        os.replace(temporary(path), path)
+    except BaseException as error:  # an error, Ctrl-C: no temporary file left behind
         temporary(path).unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            reason = error.strerror or error  # no file name: the temporary one
+            sys.exit(f"dqn_cartpole.py: error: cannot write {path} ({reason})")
         raise
-    os.replace(temporary(path), path)
 
 
 def temporary(path: Path) -> Path:

@@ -4,6 +4,7 @@ for a JAX platform the machine lacks."""
 
 import fcntl
 import os
+import resource
 import shlex
 import signal
 import subprocess
@@ -108,6 +109,24 @@ def test_overwrite_removes_a_runs_files_and_nothing_else(script, tmp_path):
     (tmp_path / "notes.md").touch()  # put there while the new run trained
     script.clear_folder(tmp_path)
     assert [path.name for path in tmp_path.iterdir()] == ["notes.md"]
+
+
+def test_a_write_that_fails_is_one_line_and_leaves_no_temporary_file(script, tmp_path):
+    """A full disk (here a file size limit: the write fails with EFBIG, as with ENOSPC; Python
+    ignores SIGXFSZ) or a folder in the way of the rename: the script ends with one line naming
+    the file, exit 1, and no temporary file is left."""
+    (tmp_path / "in_the_way").mkdir()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    for name, limit in (("big", 1_000), ("in_the_way", soft)):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        try:
+            with pytest.raises(SystemExit) as exit_info, script.atomic_open(tmp_path / name) as f:
+                f.write("x" * 10_000)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        message = str(exit_info.value.code)
+        assert message.startswith(f"{script.__name__}.py: error: cannot write {tmp_path / name}")
+        assert "\n" not in message and sorted(p.name for p in tmp_path.iterdir()) == ["in_the_way"]
 
 
 def test_a_signal_while_writing_waits_until_the_run_is_written(script, tmp_path):
