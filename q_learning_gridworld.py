@@ -783,11 +783,14 @@ def run_folder(template: str, overwrite: bool) -> str:
         raise ValueError(f"--output-dir {template} is not a folder") from None
     except OSError:  # no such folder yet (it is made later), or a name the OS refuses
         held = []
-    if held and not overwrite:
-        raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")
     ours = {*RUN_NAMES, *(temporary(Path(name)).name for name in RUN_NAMES)}
     if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
-        raise ValueError(f"--overwrite replaces a run only; {template} also holds {foreign[0]}")
+        raise ValueError(
+            f"--output-dir {template} holds {foreign[0]}, which no run writes: name a new or "
+            "empty folder, or one that holds a run (--overwrite)"
+        )
+    if held and not overwrite:
+        raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")
     # make_folder looks again once it holds the lock: a run may end there meanwhile.
     FOUND_EMPTY[Path(template).resolve()] = not held and not overwrite
     return template

@@ -653,7 +653,8 @@ def test_a_process_that_dies_stops_the_other_with_one_line(tmp_path, victim):
     ("held", "argv", "problem"),
     [
         (["summary.json"], [], "already holds a run"),
-        (["summary.json", "notes.txt"], ["--overwrite"], "also holds notes.txt"),
+        (["summary.json", "notes.txt"], ["--overwrite"], "holds notes.txt, which no run writes"),
+        (["notes.txt"], [], "holds notes.txt, which no run writes"),  # not "holds a run"
     ],
 )
 def test_an_output_dir_that_holds_a_run_is_kept_unless_overwrite(
