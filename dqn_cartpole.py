@@ -961,14 +961,18 @@ def saved_config(saved: dict) -> Config:
     later; JSON keeps a tuple as a list and may keep a float as an int."""
     defaults = {field.name: field.default for field in dataclasses.fields(Config)}
     for name, value in saved.items():
-        default = defaults.get(name, value)  # not a field: Config's own error names it
+        if name not in defaults:  # a gridworld run's "layout", say
+            raise ValueError(f"its config has {name!r}, not a setting of dqn_cartpole.py")
+        default = defaults[name]
         if isinstance(default, tuple):  # hidden_sizes: a list of ints
             ok = isinstance(value, list) and all(type(item) is int for item in value)
         else:  # an int may stand for a float; a bool stands for nothing else
             ok = type(value) is type(default) or (type(default), type(value)) == (float, int)
         if not ok:
             raise ValueError(f"{name} {value!r} is not of the type of its default, {default!r}")
-    return Config(**{name: tuple(v) if type(v) is list else v for name, v in saved.items()})
+    config = Config(**{name: tuple(v) if type(v) is list else v for name, v in saved.items()})
+    gymnax_id(config.env)  # an env we know (ValueError)
+    return config
 
 
 def load_checkpoint(folder: str) -> tuple[Config, list, tuple]:

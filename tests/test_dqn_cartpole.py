@@ -1076,8 +1076,9 @@ def test_load_refuses_params_of_fewer_agents_than_the_summary_says(tmp_path, cap
 
 def test_a_saved_config_of_other_types_is_refused_as_it_is_read(tmp_path, capsys):
     """A hand-edited value whose type is not its field's (a width of 16.0, a float seed count, a
-    number for a flag) is one line as --load or --resume reads it, not a traceback later; the
-    saved config itself, and an int for a float, are taken as they are."""
+    number for a flag) is one line as --load or --resume reads it, not a traceback later, and so
+    are another script's config and an unknown env; the saved config itself, and an int for a
+    float, are taken as they are."""
     saved = json.loads(json.dumps(dataclasses.asdict(TINY)))  # as summary.json holds it
     assert dqn.saved_config(saved) == TINY
     assert dqn.saved_config(saved | {"gamma": 1}) == dataclasses.replace(TINY, gamma=1.0)
@@ -1086,6 +1087,10 @@ def test_a_saved_config_of_other_types_is_refused_as_it_is_read(tmp_path, capsys
     for name, value in bad:
         with pytest.raises(ValueError, match=f"^{name} .* is not of the type of its default"):
             dqn.saved_config(saved | {name: value})
+    for edit, problem in (({"layout": "S.G"}, "'layout', not a setting of dqn_cartpole.py"),
+                          ({"env": "nonsense"}, "--env nonsense is unknown")):  # fmt: skip
+        with pytest.raises(ValueError, match=problem):  # another script's run, an unknown env
+            dqn.saved_config(saved | edit)
     edited = saved | {"hidden_sizes": [16.0, 16.0]}
     (tmp_path / "summary.json").write_text(json.dumps({"config": edited}))
     (tmp_path / "params.msgpack").write_bytes(b"")
