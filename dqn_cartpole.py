@@ -472,10 +472,6 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-# Figures go to files: Agg, whatever MPLBACKEND says (a notebook's `!python` passes its own on,
-# which this environment may lack: matplotlib would not even import).
-os.environ["MPLBACKEND"] = "Agg"
-
 BOOTSTRAP_SAMPLES = 2_000
 # On a CPU, seeds vmapped 16 at a time, batch after batch, stay in cache: faster than all
 # of a device's seeds at once (measured: see README). A GPU wants every seed at once.
@@ -1802,6 +1798,9 @@ if __name__ == "__main__":
     if "DQN_CARTPOLE_WATCHED" not in os.environ and rank(sys.argv[1:]) > 0:
         sys.exit(watch(sys.argv[1:]))
     signal.signal(signal.SIGTERM, stop)
+    # Figures go to files, with Agg: a notebook's `!python` passes on its own MPLBACKEND, which
+    # may not load here (matplotlib would not even import). Set here, not for an importer.
+    os.environ["MPLBACKEND"] = "Agg"
     # None: stdout was closed before the start (`>&-`)
     sys.stdout = BestEffortStdout(sys.stdout or open(os.devnull, "w"))  # noqa: SIM115
     try:

@@ -419,11 +419,6 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# Figures go to files: Agg, whatever MPLBACKEND says (a notebook's `!python` passes its own on,
-# which this environment may lack: matplotlib would not even import).
-os.environ["MPLBACKEND"] = "Agg"
-import matplotlib.pyplot as plt
-
 # --layout's maps; maze (shortest path 22 steps) and four_rooms (20) have walls.
 LAYOUTS = {
     "default": DEFAULT_LAYOUT,
@@ -753,6 +748,8 @@ def plot_run(output: Path) -> None:
 
 
 def save_figure(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
     with atomic_open(path, "wb") as file:
         fig.savefig(file, format="png", dpi=120)
     plt.close(fig)
@@ -761,6 +758,8 @@ def save_figure(fig, path: Path) -> None:
 def plot_heatmap(summary: dict, path: Path) -> None:
     """Quality over learning rate x epsilon: one column of panels per gamma, one row per measure;
     each colour scale spans the values present, each cell gives its mean and 95% CI."""
+    import matplotlib.pyplot as plt
+
     lrs, epsilons, gammas = (summary["config"][k] for k in ("learning_rates", "epsilons", "gammas"))
     fig, axes = plt.subplots(len(HEATMAP_MEASURES), len(gammas), squeeze=False)
     fig.set_layout_engine("constrained")
@@ -790,6 +789,8 @@ def plot_heatmap(summary: dict, path: Path) -> None:
 
 def plot_curves(summary: dict, curves: dict, path: Path) -> None:
     """Greedy path length during training, mean and 95% CI band across seeds, per grid point."""
+    import matplotlib.pyplot as plt
+
     config = summary["config"]
     steps, lengths = curves["step"][0, 0], curves["greedy_path_length"]  # [grid, seeds, points]
     num_seeds, mean = lengths.shape[1], lengths.mean(axis=1)  # [grid, points]
@@ -1254,6 +1255,9 @@ if __name__ == "__main__":
     if "PARALLEL_Q_LEARNING_WATCHED" not in os.environ and rank(sys.argv[1:]) > 0:
         sys.exit(watch(sys.argv[1:]))
     signal.signal(signal.SIGTERM, stop)
+    # Figures go to files, with Agg: a notebook's `!python` passes on its own MPLBACKEND, which
+    # may not load here (matplotlib would not even import). Set here, not for an importer.
+    os.environ["MPLBACKEND"] = "Agg"
     # None: stdout was closed before the start (`>&-`)
     sys.stdout = BestEffortStdout(sys.stdout or open(os.devnull, "w"))  # noqa: SIM115
     try:

@@ -364,10 +364,6 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-# Figures go to files: Agg, whatever MPLBACKEND says (a notebook's `!python` passes its own on,
-# which this environment may lack: matplotlib would not even import).
-os.environ["MPLBACKEND"] = "Agg"
-
 # The built-in maps for --layout. "maze" (shortest path 22 steps) and "four_rooms" (20) have
 # walls and were not used to choose the hyperparameters.
 LAYOUTS = {
@@ -958,6 +954,9 @@ def stop(signum, frame):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, stop)
+    # Figures go to files, with Agg: a notebook's `!python` passes on its own MPLBACKEND, which
+    # may not load here (matplotlib would not even import). Set here, not for an importer.
+    os.environ["MPLBACKEND"] = "Agg"
     # None: stdout was closed before the start (`>&-`)
     sys.stdout = BestEffortStdout(sys.stdout or open(os.devnull, "w"))  # noqa: SIM115
     try:

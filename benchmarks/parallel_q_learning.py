@@ -37,8 +37,9 @@ sys.path.insert(0, str(ROOT))
 import parallel_q_learning as pq  # noqa: E402
 
 # isort: split
+os.environ["MPLBACKEND"] = "Agg"  # a figure file only, whatever the shell's backend
 import jax  # noqa: E402
-import matplotlib.pyplot as plt  # noqa: E402  (the script chose the Agg backend)
+import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 ARTICLE = Path(__file__).resolve().parent / "article_q_learning.py"

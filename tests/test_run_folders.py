@@ -3,6 +3,7 @@
 for a JAX platform the machine lacks."""
 
 import fcntl
+import importlib.util
 import os
 import resource
 import shlex
@@ -192,6 +193,14 @@ def test_a_run_from_a_pipe_or_a_notebook_is_saved_whole(script, tmp_path):
     assert process.wait(timeout=300) == 0 and "Traceback" not in err, err
     assert all((output / name).is_file() for name in script.RUN_FILES), sorted(output.iterdir())
     assert any(path.suffix == ".png" for path in output.iterdir()), sorted(output.iterdir())
+
+
+def test_importing_a_script_leaves_the_importers_matplotlib_backend_alone(script, monkeypatch):
+    """Agg is the command's choice (its `__main__`), not forced on a notebook that imports it."""
+    monkeypatch.setenv("MPLBACKEND", "module://a_notebooks_own")
+    spec = importlib.util.spec_from_file_location(f"fresh_{script.__name__}", script.__file__)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    assert os.environ["MPLBACKEND"] == "module://a_notebooks_own"
 
 
 def test_a_stdout_that_cannot_be_written_goes_to_dev_null(script):
