@@ -1148,8 +1148,9 @@ def render_median(config: Config, env, network, params, returns: np.ndarray, pat
         ax.set_title(f"agent {median}: return {float(total[0]):.0f}  step {2 * i}")
         return cart, line
 
-    FuncAnimation(fig, draw, frames=len(frames)).save(temporary(path), writer=PillowWriter(fps=25))
-    os.replace(temporary(path), path)
+    animation = FuncAnimation(fig, draw, frames=len(frames))
+    with atomic_open(path, "wb"):  # matplotlib writes the temporary file by its name
+        animation.save(temporary(path), writer=PillowWriter(fps=25))
     plt.close(fig)
 
 
