@@ -1391,10 +1391,11 @@ class StopRequest:
         print(f"dqn_cartpole.py: {SIGNALS[signum]}: {then} (again to stop at once, unsaved)",
               file=sys.stderr, flush=True)  # fmt: skip
 
-    def asked(self) -> bool:
-        """Whether any process of the run was asked to stop."""
-        asked = np.array([self.signum is not None])
-        return bool(gather(asked).any()) if jax.process_count() > 1 else bool(asked[0])
+    def asked(self) -> int:
+        """The signal any process of the run was asked to stop by (0: none): every process
+        stops, and process 0, which saves the run, says so."""
+        signum = np.array([self.signum or 0])
+        return int(gather(signum).max()) if jax.process_count() > 1 else int(signum[0])
 
 
 def run_training(config, points, env, network, plan, env_id, output, checkpoint_every, start=None):
@@ -1417,9 +1418,9 @@ def run_training(config, points, env, network, plan, env_id, output, checkpoint_
     with StopRequest() as stop:
         blocks = train_agents(config, env, network, config.seed, grid, plan, start, timings)
         for done, carry, metrics in blocks:
-            steps, stopping = int(metrics["step"][0, -1]), stop.asked()
+            steps, signum = int(metrics["step"][0, -1]), stop.asked()
             progress(steps, timings["train_time_s"])
-            stopping &= steps < config.total_timesteps  # asked during the last block: it ended
+            stopping = signum > 0 and steps < config.total_timesteps  # in the last block: it ended
             due = checkpoint_every and steps - saved >= checkpoint_every
             if (stopping or due) and steps < config.total_timesteps:  # an ended run has no use
                 clock = time.perf_counter()
@@ -1438,7 +1439,7 @@ def run_training(config, points, env, network, plan, env_id, output, checkpoint_
         "agent_steps_per_s": speed,
     }
     out = {"params": gather(carry.agent.params), "metrics": metrics}
-    return jax.tree.map(lambda x: x[:num_agents], out), timings, stop.signum if stopping else None
+    return jax.tree.map(lambda x: x[:num_agents], out), timings, signum if stopping else None
 
 
 def parse_command(argv: list[str] | None):

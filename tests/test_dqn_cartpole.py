@@ -649,6 +649,22 @@ def test_a_process_that_dies_stops_the_other_with_one_line(tmp_path, victim):
     assert not (tmp_path / "process0" / "summary.json").exists()
 
 
+def test_a_signal_to_process_1_stops_and_saves_the_whole_run(tmp_path):
+    """SIGTERM to process 1 of a cluster (Ctrl-C in its terminal alike): every process stops
+    after the block in progress, and process 0 saves the run with a checkpoint and says how to
+    go on, exit 143 in both. Process 0 used to end as if the run were done: exit 0, no
+    checkpoint, the rest of the run lost."""
+    processes = launch_cluster(tmp_path, LONG_CLUSTER_ARGS)
+    for line in processes[0].stderr:  # progress lines: training runs
+        if "%" in line:
+            break
+    processes[1].send_signal(signal.SIGTERM)  # its watcher passes it on
+    (_, err), _ = (process.communicate(timeout=120) for process in processes)
+    assert [process.returncode for process in processes] == [143, 143], err
+    assert "--resume" in err.strip().splitlines()[-1] and "Traceback" not in err, err
+    assert (tmp_path / "process0" / dqn.CHECKPOINT).exists()
+
+
 @pytest.mark.parametrize(
     ("held", "argv", "problem"),
     [
