@@ -464,6 +464,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import flax
@@ -1247,6 +1248,18 @@ def join_cluster(args) -> None:
     )
 
 
+def check_same_flags(config: Config, points: list) -> None:
+    """ValueError naming a flag whose value differs between the processes of a cluster: each
+    would train its share of the agents with its own value (or JAX abort on another shape)."""
+    values = {name: v for name, v in dataclasses.asdict(config).items() if name != "output_dir"}
+    values |= {name: [point[name] for point in points] for name in HParams._fields}  # the lists
+    digests = np.array([[zlib.crc32(repr(v).encode()) for v in values.values()]], np.uint32)
+    every = gather(digests)  # [processes, flags]
+    if not (same := (every == every[0]).all(axis=0)).all():
+        name = list(values)[int(np.argmin(same))]  # the first that differs
+        raise ValueError(f"{flag(name)} differs between the processes; give all the same")
+
+
 def shown(value) -> str:
     return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
@@ -1628,6 +1641,8 @@ def main(argv: list[str] | None = None) -> None:
             return replot(args.replot)
         join_cluster(args)
         check_backend()
+        if jax.process_count() > 1:
+            check_same_flags(config, points)
         if jax.process_index() > 0:  # process 0 reports and writes for the whole cluster
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
         env_id, env = gymnax_id(config.env), make_env(config.env)

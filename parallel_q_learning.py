@@ -412,6 +412,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from importlib import metadata
 from pathlib import Path
 
@@ -1095,6 +1096,20 @@ def join_cluster(coordinator_address, num_processes, process_id, cluster_timeout
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115
 
 
+def check_same_flags(config: Config) -> None:
+    """One line naming a flag whose value differs between the processes of a cluster: each would
+    train its share of the agents with its own value (or JAX abort on another shape)."""
+    values = {name: v for name, v in dataclasses.asdict(config).items() if name != "output_dir"}
+    digests = np.array([[zlib.crc32(repr(v).encode()) for v in values.values()]], np.uint32)
+    try:
+        every = multihost_utils.process_allgather(digests, tiled=True)  # [processes, flags]
+    except (jax.errors.JaxRuntimeError, ValueError) as error:  # a process died: one line
+        fail(f"another process of the cluster stopped ({str(error).splitlines()[0][:160]})", 1)
+    if not (same := (every == every[0]).all(axis=0)).all():
+        name = list(values)[int(np.argmin(same))]  # the first that differs
+        fail(f"--{name.replace('_', '-')} differs between the processes; give all the same")
+
+
 def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     config, cluster = parse_config(argv)
@@ -1107,6 +1122,8 @@ def main(argv: list[str] | None = None) -> None:
             fail(f"--replot {config}: cannot redraw ({type(error).__name__}: {error})"[:300])
         return print(f"redrew sweep_heatmap.png, learning_curves.png in {config}/ (no training)")
     join_cluster(**cluster)
+    if jax.process_count() > 1:
+        check_same_flags(config)
     schedule = make_schedule(config)
     try:
         env, output = validate(config, schedule)

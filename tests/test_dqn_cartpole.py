@@ -595,15 +595,15 @@ CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "4000"]  # 8 blocks, several ga
 LONG_CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "20000"]
 
 
-def launch_cluster(tmp_path, argv: list[str]) -> list[subprocess.Popen]:
+def launch_cluster(tmp_path, argv: list[str], only_1=()) -> list[subprocess.Popen]:
     """Processes 0 and 1 of a cluster on 127.0.0.1, one CPU device each, writing to
-    tmp_path/process<i>."""
+    tmp_path/process<i>; `only_1`: flags given to process 1 alone."""
     cluster = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     return [
         subprocess.Popen(
             [sys.executable, "dqn_cartpole.py", *argv, *cluster, "--process-id", str(i)]
-            + ["--output-dir", str(tmp_path / f"process{i}")],
+            + [*(only_1 if i == 1 else ()), "--output-dir", str(tmp_path / f"process{i}")],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -647,6 +647,21 @@ def test_a_process_that_dies_stops_the_other_with_one_line(tmp_path, victim):
     assert survivor.returncode == 1 and "Traceback" not in err, err
     assert last.startswith("dqn_cartpole.py: error:") and "process" in last, err
     assert not (tmp_path / "process0" / "summary.json").exists()
+
+
+def test_processes_given_other_flags_are_one_line_before_training(tmp_path):
+    """Process 1 given another learning rate and width: it would train its share of the agents
+    with its own values (the width: JAX would abort on the other shape, a C++ trace from gloo).
+    One line in both, naming the first flag that differs, exit 2, nothing written."""
+    only_1 = ["--learning-rate", "0.05", "--hidden-sizes", "32"]
+    processes = launch_cluster(tmp_path, TINY_ARGS, only_1)
+    for process in processes:
+        _, err = process.communicate(timeout=120)
+        last = err.strip().splitlines()[-1]
+        assert process.returncode == 2 and "Traceback" not in err, err
+        assert last == "dqn_cartpole.py: error: --learning-rate differs between the processes; " \
+            "give all the same", err  # fmt: skip
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_signal_to_process_1_stops_and_saves_the_whole_run(tmp_path):

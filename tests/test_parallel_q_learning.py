@@ -468,21 +468,18 @@ def test_process_0_alone_is_one_line_once_the_cluster_timeout_passes(tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
-def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
-    """Two processes on 127.0.0.1, one CPU device each, form one JAX cluster: the seeds are
-    sharded over both, only process 0 writes, both exit 0, and every agent is bit for bit the
-    one a single process with two devices trains."""
-    argv = ["--num-seeds", "5", "--total-timesteps", "2000", "--learning-rates", "0.1,0.5"]
-    pq.main([*argv, "--output-dir", str(tmp_path / "single")])
+def launch_cluster(tmp_path, argv: list[str], only_1=()) -> list[subprocess.Popen]:
+    """Processes 0 and 1 of a cluster on 127.0.0.1, one CPU device each, writing to
+    tmp_path/process<i>; `only_1`: flags given to process 1 alone."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     cluster = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2"]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    processes = [
+    return [
         subprocess.Popen(
             [sys.executable, str(SCRIPT), *argv, *cluster, "--process-id", str(i)]
-            + ["--output-dir", str(tmp_path / f"process{i}")],
+            + [*(only_1 if i == 1 else ()), "--output-dir", str(tmp_path / f"process{i}")],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -490,6 +487,15 @@ def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
         )  # fmt: skip
         for i in range(2)
     ]
+
+
+def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
+    """Two processes on 127.0.0.1, one CPU device each, form one JAX cluster: the seeds are
+    sharded over both, only process 0 writes, both exit 0, and every agent is bit for bit the
+    one a single process with two devices trains."""
+    argv = ["--num-seeds", "5", "--total-timesteps", "2000", "--learning-rates", "0.1,0.5"]
+    pq.main([*argv, "--output-dir", str(tmp_path / "single")])
+    processes = launch_cluster(tmp_path, argv)
     results = [process.communicate(timeout=300) for process in processes]
     assert [process.returncode for process in processes] == [0, 0], results
     assert "2 cpu devices" in results[0][0] and results[1][0].count("agent-steps/s") == 0
@@ -654,3 +660,18 @@ def test_a_signal_during_training_is_one_line_and_its_exit_code(tmp_path, signum
     assert returncode == code and "Traceback" not in printed, printed
     assert last.endswith("unfinished; no file half-written") and "stopped by" in last, printed
     assert not output.exists() or not any(output.iterdir())
+
+
+def test_processes_given_other_flags_are_one_line_before_training(tmp_path):
+    """Process 1 given another list of learning rates: JAX would abort on the other shape (a
+    C++ trace from gloo), and another value of the same shape would silently train process 1's
+    share of the agents with it. One line in both, naming the flag, exit 2, nothing written."""
+    argv = ["--num-seeds", "3", "--total-timesteps", "2000"]
+    processes = launch_cluster(tmp_path, argv, only_1=["--learning-rates", "0.1,0.5,0.9"])
+    for process in processes:
+        _, err = process.communicate(timeout=120)
+        last = err.strip().splitlines()[-1]
+        assert process.returncode == 2 and "Traceback" not in err, err
+        assert last == "parallel_q_learning.py: error: --learning-rates differs between the " \
+            "processes; give all the same", err  # fmt: skip
+    assert not any(tmp_path.iterdir())
