@@ -975,6 +975,10 @@ def saved_config(saved: dict) -> Config:
 def load_checkpoint(folder: str) -> tuple[Config, list, tuple]:
     """(Config, grid points, (blocks done, carry leaves, metrics)) of a run that saved a
     checkpoint; any problem is a one-line ValueError."""
+    if (Path(folder) / "summary.json").exists() and not (Path(folder) / CHECKPOINT).exists():
+        raise ValueError(
+            f"--resume {folder}: its run has ended (only a stopped run has a checkpoint)"
+        )
     try:
         with np.load(Path(folder) / CHECKPOINT) as file:
             run = json.loads(str(file["run"]))
@@ -1516,8 +1520,8 @@ def run_folder(template: str, overwrite: bool) -> str:
     ours = {*RUN_NAMES, *(temporary(Path(name)).name for name in RUN_NAMES)}
     if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
         raise ValueError(
-            f"--output-dir {template} holds {foreign[0]}, which no run writes: name a new or "
-            "empty folder, or one that holds a run (--overwrite)"
+            f"--output-dir {template} holds {foreign[0]}, which no run of this script "
+            "writes: name a new or empty folder, or one that holds a run (--overwrite)"
         )
     if held and not overwrite:
         raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")

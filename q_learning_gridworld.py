@@ -782,8 +782,8 @@ def run_folder(template: str, overwrite: bool) -> str:
     ours = {*RUN_NAMES, *(temporary(Path(name)).name for name in RUN_NAMES)}
     if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
         raise ValueError(
-            f"--output-dir {template} holds {foreign[0]}, which no run writes: name a new or "
-            "empty folder, or one that holds a run (--overwrite)"
+            f"--output-dir {template} holds {foreign[0]}, which no run of this script "
+            "writes: name a new or empty folder, or one that holds a run (--overwrite)"
         )
     if held and not overwrite:
         raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")

