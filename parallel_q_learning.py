@@ -1107,7 +1107,16 @@ def check_same_flags(config: Config) -> None:
         fail(f"another process of the cluster stopped ({str(error).splitlines()[0][:160]})", 1)
     if not (same := (every == every[0]).all(axis=0)).all():
         name = list(values)[int(np.argmin(same))]  # the first that differs
+        coordinator_ends_last()
         fail(f"--{name.replace('_', '-')} differs between the processes; give all the same")
+
+
+def coordinator_ends_last() -> None:
+    """Before every process ends with the same error: JAX aborts a process that its coordinator,
+    process 0, ends before, and the watcher would then print its own line instead."""
+    multihost_utils.sync_global_devices("every process ends")
+    if jax.process_index() == 0:
+        time.sleep(2)  # the others exit meanwhile (a fraction of a second)
 
 
 def main(argv: list[str] | None = None) -> None:
