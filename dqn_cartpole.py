@@ -1663,11 +1663,12 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--render draws CartPole only, not {env_id}")
         name = "cartpole" if config.env == "cartpole" else env_id.lower()
         if args.resume:  # a resumed run goes on in its own folder
-            output = Path(args.resume)
+            output, named_by = Path(args.resume), "--resume"
         elif args.load and args.output_dir is None:  # a loaded run's results go into that run
-            output = Path(args.load)
+            output, named_by = Path(args.load), "--load"
         else:
             output = Path(run_folder(config.output_dir.replace("{env}", name), args.overwrite))
+            named_by = "--output-dir"
         config = dataclasses.replace(config, output_dir=str(output))
         check_run(config, output)
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
@@ -1681,7 +1682,7 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 output = make_folder(str(output))
             except OSError as error:
-                raise ValueError(f"--output-dir: {error}") from None
+                raise ValueError(f"{named_by}: {error}") from None
             config = dataclasses.replace(config, output_dir=str(output))
             kept = {Path(run).resolve() for run in (args.load, args.resume) if run}
             replaced = output.resolve() not in kept  # a loaded or resumed run keeps its files

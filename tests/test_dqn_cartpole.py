@@ -4,6 +4,7 @@ shared through module-scoped fixtures to keep the file fast."""
 
 import csv
 import dataclasses
+import fcntl
 import json
 import os
 import shlex
@@ -1048,12 +1049,13 @@ RESUME_ARGS = shlex.split(  # 19 blocks of 500 steps, then one of 234
 )
 
 
-def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path):
+def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, capsys):
     """Ctrl-C mid-training: the block in progress ends, the run so far is saved (summary,
     curves, params, figure and a checkpoint of the whole training state), one line says how to
     go on, exit 130, no traceback. --resume then ends with the very files of a run never
-    stopped, bit for bit, and drops the checkpoint; a damaged copy of it is one line. Every run
-    takes exactly 9,734 steps."""
+    stopped, bit for bit, and drops the checkpoint; a damaged copy of it is one line, and so is
+    the folder while a run still holds it (named by --resume). Every run takes exactly 9,734
+    steps."""
     stopped, whole = tmp_path / "stopped", tmp_path / "whole"
     argv = [dqn.__file__, *RESUME_ARGS, "--output-dir", str(stopped)]
     code, printed = run_and_interrupt(argv, signal.SIGINT, "10%")
@@ -1070,6 +1072,12 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path):
         np.savez(damaged / dqn.CHECKPOINT, **{**arrays, "carry_0": leaf})
         with pytest.raises(SystemExit, match="the checkpoint does not fit its own config"):
             dqn.main(["--resume", str(damaged)])  # before the block compiles, not a traceback
+    held = os.open(stopped, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a run that still writes there
+    with pytest.raises(SystemExit):
+        dqn.main(["--resume", str(stopped)])
+    os.close(held)
+    assert "error: --resume: " in capsys.readouterr().err  # the flag given, not --output-dir
     dqn.main(["--resume", str(stopped)])
     dqn.main([*RESUME_ARGS, "--output-dir", str(whole)])
     for name in ("params.msgpack", "curves.csv"):
