@@ -1280,8 +1280,8 @@ def shown(value) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """One --flag per Config field, its help from the field, its default shown as typed; a
     flag left out parses as None (main fills in the Config's default, or the --load run's env
-    and network). Its errors are ValueErrors, which main prints as one line (argparse adds its
-    usage, and with exit_on_error=False it still would for an ambiguous abbreviation)."""
+    and network). Its errors are ValueErrors, which main prints as one line (argparse's own
+    would add the whole usage)."""
     sweep_flags = ", ".join(flag(name) for name in HParams._fields)
     epilog = (
         f"Sweeps: {sweep_flags} each take a comma-separated list. Every combination (the first "
