@@ -459,6 +459,7 @@ import importlib.metadata
 import itertools
 import json
 import platform
+import shlex
 import signal
 import socket
 import subprocess
@@ -862,7 +863,7 @@ RUN_FILES = ("summary.json", "curves.csv", "params.msgpack")
 CHECKPOINT = "checkpoint.npz"  # a run stopped early, or on its way: what --resume reads
 RUN_NAMES = (*RUN_FILES, CHECKPOINT, "learning_curves.png", "sweep.png", "load_summary.json")
 RUN_NAMES = (*RUN_NAMES, "render.gif")
-SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 CURVES = ("step", "eval_return", "train_return", "loss")  # curves.csv's columns after seed
 
 
@@ -890,10 +891,10 @@ def temporary(path: Path) -> Path:
 
 @contextlib.contextmanager
 def written_whole():
-    """Ctrl-C and SIGTERM wait while a run's files are written, so that they are written whole;
-    one that came meanwhile then ends the script."""
+    """Ctrl-C, SIGTERM and SIGHUP wait while a run's files are written, so that they are written
+    whole; one that came meanwhile then ends the script."""
     caught = []
-    held = {signum: signal.signal(signum, lambda n, _: caught.append(n)) for signum in SIGNALS}
+    held = {signum: signal.signal(signum, lambda n, _: caught.append(n)) for signum in catchable()}
     try:
         yield
     finally:
@@ -903,6 +904,11 @@ def written_whole():
         print(f"dqn_cartpole.py: stopped by {SIGNALS[caught[0]]} once the run was written whole",
               file=sys.stderr)  # fmt: skip
         sys.exit(128 + caught[0])
+
+
+def catchable() -> list[int]:
+    """SIGNALS but those ignored from the start (nohup ignores SIGHUP): those stay ignored."""
+    return [signum for signum in SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
 def json_safe(value):
@@ -1225,7 +1231,10 @@ def join_cluster(args) -> None:
         if tasks:
             recover()
             try:
-                jax.distributed.initialize()
+                jax.distributed.initialize(
+                    initialization_timeout=int(args.cluster_timeout),
+                    heartbeat_timeout_seconds=int(args.cluster_timeout),
+                )
             except ValueError as error:  # the job's other variables are missing
                 raise ValueError(
                     f"{tasks[0]}, but JAX finds no cluster to join ({error}); give "
@@ -1332,7 +1341,7 @@ def build_parser() -> argparse.ArgumentParser:
     resume_help = "continue the run in DIR from its checkpoint, as it was started"
     parser.add_argument("--resume", metavar="DIR", help=resume_help)
     every_help = "also save a checkpoint every STEPS steps, at the end of a block; 0: only when "
-    every_help += "stopped by Ctrl-C or SIGTERM (default: 25000)"
+    every_help += "stopped by Ctrl-C, SIGTERM or SIGHUP (default: 25000)"
     parser.add_argument(
         "--checkpoint-every", type=int, default=25_000, metavar="STEPS", help=every_help
     )
@@ -1395,12 +1404,13 @@ def plural(n: int, word: str) -> str:
 
 
 class StopRequest:
-    """While training, Ctrl-C or SIGTERM asks to stop: the block in progress ends, the run so far
-    is saved with a checkpoint, and the script exits 130 / 143; a second signal stops at once."""
+    """While training, Ctrl-C, SIGTERM or SIGHUP (a closed terminal) asks to stop: the block in
+    progress ends, the run so far is saved with a checkpoint, and the script exits 128 + the
+    signal (130, 143, 129); a second signal stops at once."""
 
     def __enter__(self):
         self.signum = None
-        self.previous = {signum: signal.signal(signum, self.ask) for signum in SIGNALS}
+        self.previous = {signum: signal.signal(signum, self.ask) for signum in catchable()}
         return self
 
     def __exit__(self, *exc):
@@ -1609,9 +1619,9 @@ def remove_if_empty(folder: Path) -> None:
             path.rmdir()
 
 
-def check_run(config: Config, output: Path) -> None:
-    """What Config does not check on its own: the run as a whole and the output folder.
-    ValueError('--flag problem') before any work."""
+def check_run(config: Config, output: Path, named_by: str = "--output-dir") -> None:
+    """What Config does not check on its own: the run as a whole and the output folder, which
+    the flag `named_by` chose. ValueError('--flag problem') before any work."""
     if not -(2**63) <= config.seed < 2**63:  # what jax.random.key takes
         raise ValueError(f"--seed must be a 64-bit integer, got {config.seed}")
     for f in dataclasses.fields(config):  # the step counters are int32 (jax's default)
@@ -1626,9 +1636,9 @@ def check_run(config: Config, output: Path) -> None:
     try:  # the folder, or the nearest parent that exists, must be a writable folder
         existing = next(path for path in (output, *output.absolute().parents) if path.exists())
     except OSError as error:  # a name the OS refuses (too long, say)
-        raise ValueError(f"--output-dir: {error}") from None
+        raise ValueError(f"{named_by}: {error}") from None
     if not existing.is_dir() or not os.access(existing, os.W_OK):
-        raise ValueError(f"--output-dir {output}: {existing} is not a writable folder")
+        raise ValueError(f"{named_by} {output}: {existing} is not a writable folder")
 
 
 def replot(folder: str) -> None:
@@ -1670,7 +1680,7 @@ def main(argv: list[str] | None = None) -> None:
             output = Path(run_folder(config.output_dir.replace("{env}", name), args.overwrite))
             named_by = "--output-dir"
         config = dataclasses.replace(config, output_dir=str(output))
-        check_run(config, output)
+        check_run(config, output, named_by)
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
         if args.load:  # the saved params must be this env's and network's, one per agent
             check_params(params, network, env, args.load, len(points) * config.num_seeds)
@@ -1730,6 +1740,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             save_run(output, summary, points, out)
             plot_run(output)
+            for stale in ("load_summary.json", "render.gif"):  # of the params before --resume
+                (output / stale).unlink(missing_ok=True)
             if not stopped:  # a finished run needs no checkpoint
                 (output / CHECKPOINT).unlink(missing_ok=True)
         if args.render:
@@ -1746,15 +1758,17 @@ def main(argv: list[str] | None = None) -> None:
             print(wall)
         if stopped:
             steps = f"{extra['steps_done']:,} of {config.total_timesteps:,} steps"
-            hint = f"to go on: python dqn_cartpole.py --resume {output}"
+            command = ["python", os.path.relpath(__file__), "--resume", str(output)]
+            hint = f"to go on: {shlex.join(command)}"  # to paste into a shell
             print(f"dqn_cartpole.py: stopped by {SIGNALS[stopped]} after {steps}, saved in "
                   f"{output}/; {hint}", file=sys.stderr)  # fmt: skip
             sys.exit(128 + stopped)
 
 
-class BestEffortStdout:
-    """stdout, written while it can be: once it cannot (its reader left, `| head -1`; a full
-    disk, `> /dev/full`), its lines go to /dev/null and the run goes on, to be saved whole."""
+class BestEffortStream:
+    """stdout or stderr, written while it can be: once it cannot (its reader left, `| head -1`;
+    a full disk, `> /dev/full`; a closed terminal), its lines go to /dev/null and the run goes
+    on, to be saved whole."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -1776,11 +1790,12 @@ class BestEffortStdout:
 
 
 class Stopped(Exception):
-    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt."""
+    """SIGTERM or SIGHUP (a closed terminal), raised in the main thread as Ctrl-C raises
+    KeyboardInterrupt; args[0] is the signal."""
 
 
 def stop(signum, frame):
-    raise Stopped
+    raise Stopped(signum)
 
 
 def rank(argv: list[str]) -> int:
@@ -1805,14 +1820,16 @@ def watch(argv: list[str]) -> int:
     """Processes other than 0 of a cluster do their work in a child process and watch it: JAX
     ends a process whose coordinator, process 0, has died with an abort and a C++ stack trace,
     which this turns into one line. The child's stderr (it reports errors only) waits for its
-    end; SIGTERM is passed on, and Ctrl-C reaches it from the terminal as it reaches us."""
+    end; SIGTERM is passed on, and Ctrl-C or a closed terminal's SIGHUP reaches it as it
+    reaches us."""
     child = subprocess.Popen(
         [sys.executable, __file__, *argv],
         env={**os.environ, "DQN_CARTPOLE_WATCHED": "1"},
         stderr=subprocess.PIPE,
         preexec_fn=die_with_parent,
     )
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
     errors = child.communicate()[1]
     if child.returncode == -signal.SIGABRT:
@@ -1828,12 +1845,15 @@ def watch(argv: list[str]) -> int:
 if __name__ == "__main__":
     if "DQN_CARTPOLE_WATCHED" not in os.environ and rank(sys.argv[1:]) > 0:
         sys.exit(watch(sys.argv[1:]))
-    signal.signal(signal.SIGTERM, stop)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+            signal.signal(signum, stop)
     # Figures go to files, with Agg: a notebook's `!python` passes on its own MPLBACKEND, which
     # may not load here (matplotlib would not even import). Set here, not for an importer.
     os.environ["MPLBACKEND"] = "Agg"
-    # None: stdout was closed before the start (`>&-`)
-    sys.stdout = BestEffortStdout(sys.stdout or open(os.devnull, "w"))  # noqa: SIM115
+    # None: a stream closed before the start (`>&-`)
+    sys.stdout = BestEffortStream(sys.stdout or open(os.devnull, "w"))  # noqa: SIM115
+    sys.stderr = BestEffortStream(sys.stderr or open(os.devnull, "w"))  # noqa: SIM115
     try:
         main()
     except (KeyboardInterrupt, Stopped) as interrupt:
@@ -1841,8 +1861,9 @@ if __name__ == "__main__":
             signal.signal(signum, signal.SIG_IGN)
         for folder in LOCKED:  # stopped before the run saved anything: no empty folder left
             remove_if_empty(folder)
-        code, cause = (143, "SIGTERM") if isinstance(interrupt, Stopped) else (130, "Ctrl-C")
-        message = f"dqn_cartpole.py: stopped by {cause}, unfinished; no file half-written"
+        signum = interrupt.args[0] if isinstance(interrupt, Stopped) else signal.SIGINT
+        unfinished = "unfinished; no file half-written"
+        message = f"dqn_cartpole.py: stopped by {SIGNALS[signum]}, {unfinished}"
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(code)  # now: not after the compiled call still running in the background
+        os._exit(128 + signum)  # now: not after the compiled call still running in the background

@@ -524,8 +524,8 @@ def validate(config: Config, schedule: Schedule) -> tuple[GridWorld, Path]:
         raise ConfigError("total_timesteps", "too large: 2^31 blocks or more per curve point")
     if not config.output_dir:  # "" would write into the current folder
         raise ConfigError("output_dir", "must name a folder, not be empty")
-    output = Path(config.output_dir).absolute()
-    try:  # a name the OS refuses (too long, say) raises here
+    try:  # a name the OS refuses (too long, say), or a current folder deleted, raises here
+        output = Path(config.output_dir).absolute()
         existing = next(p for p in (output, *output.parents) if p.exists())  # "/" exists
     except OSError as error:
         raise ConfigError("output_dir", str(error)) from None
@@ -676,7 +676,7 @@ HEATMAP_MEASURES = {
 }
 RUN_FILES = ("summary.json", "curves.csv", "q_tables.npy")
 RUN_NAMES = (*RUN_FILES, "sweep_heatmap.png", "learning_curves.png")  # all a run writes
-SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 
 
 @contextlib.contextmanager
@@ -703,10 +703,10 @@ def temporary(path: Path) -> Path:
 
 @contextlib.contextmanager
 def written_whole():
-    """Ctrl-C and SIGTERM wait while a run's files are written, so that they are written whole;
-    one that came meanwhile then ends the script."""
+    """Ctrl-C, SIGTERM and SIGHUP wait while a run's files are written, so that they are written
+    whole; one that came meanwhile then ends the script."""
     caught = []
-    held = {signum: signal.signal(signum, lambda n, _: caught.append(n)) for signum in SIGNALS}
+    held = {signum: signal.signal(signum, lambda n, _: caught.append(n)) for signum in catchable()}
     try:
         yield
     finally:
@@ -714,6 +714,11 @@ def written_whole():
             signal.signal(signum, handler)
     if caught:
         fail(f"stopped by {SIGNALS[caught[0]]} once the run was written whole", 128 + caught[0])
+
+
+def catchable() -> list[int]:
+    """SIGNALS but those ignored from the start (nohup ignores SIGHUP): those stay ignored."""
+    return [signum for signum in SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
 def save_run(output: Path, summary: dict, config: Config, result: TrainResult) -> None:
@@ -1068,7 +1073,10 @@ def join_cluster(coordinator_address, num_processes, process_id, cluster_timeout
         if tasks:
             recover()
             try:
-                jax.distributed.initialize()
+                jax.distributed.initialize(
+                    initialization_timeout=int(cluster_timeout),
+                    heartbeat_timeout_seconds=int(cluster_timeout),
+                )
             except ValueError as error:  # the job's other variables are missing
                 fail(
                     f"{tasks[0]}, but JAX finds no cluster to join ({error}); give "
@@ -1204,9 +1212,10 @@ def main(argv: list[str] | None = None) -> None:
     )
 
 
-class BestEffortStdout:
-    """stdout, written while it can be: once it cannot (its reader left, `| head -1`; a full
-    disk, `> /dev/full`), its lines go to /dev/null and the run goes on, to be saved whole."""
+class BestEffortStream:
+    """stdout or stderr, written while it can be: once it cannot (its reader left, `| head -1`;
+    a full disk, `> /dev/full`; a closed terminal), its lines go to /dev/null and the run goes
+    on, to be saved whole."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -1228,11 +1237,12 @@ class BestEffortStdout:
 
 
 class Stopped(Exception):
-    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt."""
+    """SIGTERM or SIGHUP (a closed terminal), raised in the main thread as Ctrl-C raises
+    KeyboardInterrupt; args[0] is the signal."""
 
 
 def stop(signum, frame):
-    raise Stopped
+    raise Stopped(signum)
 
 
 def rank(argv: list[str]) -> int:
@@ -1257,14 +1267,16 @@ def watch(argv: list[str]) -> int:
     """Processes other than 0 of a cluster do their work in a child process and watch it: JAX
     ends a process whose coordinator, process 0, has died with an abort and a C++ stack trace,
     which this turns into one line. The child's stderr (it reports errors only) waits for its
-    end; SIGTERM is passed on, and Ctrl-C reaches it from the terminal as it reaches us."""
+    end; SIGTERM is passed on, and Ctrl-C or a closed terminal's SIGHUP reaches it as it
+    reaches us."""
     child = subprocess.Popen(
         [sys.executable, __file__, *argv],
         env={**os.environ, "PARALLEL_Q_LEARNING_WATCHED": "1"},
         stderr=subprocess.PIPE,
         preexec_fn=die_with_parent,
     )
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
     errors = child.communicate()[1]
     if child.returncode == -signal.SIGABRT:
@@ -1280,19 +1292,23 @@ def watch(argv: list[str]) -> int:
 if __name__ == "__main__":
     if "PARALLEL_Q_LEARNING_WATCHED" not in os.environ and rank(sys.argv[1:]) > 0:
         sys.exit(watch(sys.argv[1:]))
-    signal.signal(signal.SIGTERM, stop)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+            signal.signal(signum, stop)
     # Figures go to files, with Agg: a notebook's `!python` passes on its own MPLBACKEND, which
     # may not load here (matplotlib would not even import). Set here, not for an importer.
     os.environ["MPLBACKEND"] = "Agg"
-    # None: stdout was closed before the start (`>&-`)
-    sys.stdout = BestEffortStdout(sys.stdout or open(os.devnull, "w"))  # noqa: SIM115
+    # None: a stream closed before the start (`>&-`)
+    sys.stdout = BestEffortStream(sys.stdout or open(os.devnull, "w"))  # noqa: SIM115
+    sys.stderr = BestEffortStream(sys.stderr or open(os.devnull, "w"))  # noqa: SIM115
     try:
         main()
     except (KeyboardInterrupt, Stopped) as interrupt:
         for signum in SIGNALS:  # a second signal (a process group's, say) must not cut this line
             signal.signal(signum, signal.SIG_IGN)
-        code, cause = (143, "SIGTERM") if isinstance(interrupt, Stopped) else (130, "Ctrl-C")
-        message = f"parallel_q_learning.py: stopped by {cause}, unfinished; no file half-written"
+        signum = interrupt.args[0] if isinstance(interrupt, Stopped) else signal.SIGINT
+        unfinished = "unfinished; no file half-written"
+        message = f"parallel_q_learning.py: stopped by {SIGNALS[signum]}, {unfinished}"
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(code)  # now: not after the compiled call still running in the background
+        os._exit(128 + signum)  # now: not after the compiled call still running in the background

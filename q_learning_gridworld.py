@@ -574,10 +574,10 @@ def temporary(path: Path) -> Path:
 
 @contextlib.contextmanager
 def written_whole():
-    """Ctrl-C and SIGTERM wait while a run's files are written, so that they are written whole;
-    one that came meanwhile then ends the script."""
+    """Ctrl-C, SIGTERM and SIGHUP wait while a run's files are written, so that they are written
+    whole; one that came meanwhile then ends the script."""
     caught = []
-    held = {signum: signal.signal(signum, lambda n, _: caught.append(n)) for signum in SIGNALS}
+    held = {signum: signal.signal(signum, lambda n, _: caught.append(n)) for signum in catchable()}
     try:
         yield
     finally:
@@ -585,6 +585,11 @@ def written_whole():
             signal.signal(signum, handler)
     if caught:
         fail(f"stopped by {SIGNALS[caught[0]]} once the run was written whole", 128 + caught[0])
+
+
+def catchable() -> list[int]:
+    """SIGNALS but those ignored from the start (nohup ignores SIGHUP): those stay ignored."""
+    return [signum for signum in SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
 def write_csv(path: Path, columns: dict) -> None:
@@ -607,7 +612,7 @@ def read_csv(path: Path, num_seeds: int) -> dict:
 
 RUN_FILES = ("summary.json", "curves.csv", "first_episodes.csv", "q_tables.npy")
 RUN_NAMES = (*RUN_FILES, "q_learning_gridworld.png")  # all a run writes
-SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 
 
 def save_run(output_dir: Path, summary: dict, out: dict) -> None:
@@ -921,9 +926,10 @@ def main(argv: list[str] | None = None) -> None:
           f"wall {summary['wall_time_s']:.1f} s")  # fmt: skip
 
 
-class BestEffortStdout:
-    """stdout, written while it can be: once it cannot (its reader left, `| head -1`; a full
-    disk, `> /dev/full`), its lines go to /dev/null and the run goes on, to be saved whole."""
+class BestEffortStream:
+    """stdout or stderr, written while it can be: once it cannot (its reader left, `| head -1`;
+    a full disk, `> /dev/full`; a closed terminal), its lines go to /dev/null and the run goes
+    on, to be saved whole."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -945,27 +951,32 @@ class BestEffortStdout:
 
 
 class Stopped(Exception):
-    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt."""
+    """SIGTERM or SIGHUP (a closed terminal), raised in the main thread as Ctrl-C raises
+    KeyboardInterrupt; args[0] is the signal."""
 
 
 def stop(signum, frame):
-    raise Stopped
+    raise Stopped(signum)
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, stop)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+            signal.signal(signum, stop)
     # Figures go to files, with Agg: a notebook's `!python` passes on its own MPLBACKEND, which
     # may not load here (matplotlib would not even import). Set here, not for an importer.
     os.environ["MPLBACKEND"] = "Agg"
-    # None: stdout was closed before the start (`>&-`)
-    sys.stdout = BestEffortStdout(sys.stdout or open(os.devnull, "w"))  # noqa: SIM115
+    # None: a stream closed before the start (`>&-`)
+    sys.stdout = BestEffortStream(sys.stdout or open(os.devnull, "w"))  # noqa: SIM115
+    sys.stderr = BestEffortStream(sys.stderr or open(os.devnull, "w"))  # noqa: SIM115
     try:
         main()
     except (KeyboardInterrupt, Stopped) as interrupt:
         for signum in SIGNALS:  # a second signal (a process group's, say) must not cut this line
             signal.signal(signum, signal.SIG_IGN)
-        code, cause = (143, "SIGTERM") if isinstance(interrupt, Stopped) else (130, "Ctrl-C")
-        message = f"q_learning_gridworld.py: stopped by {cause}, unfinished; no file half-written"
+        signum = interrupt.args[0] if isinstance(interrupt, Stopped) else signal.SIGINT
+        unfinished = "unfinished; no file half-written"
+        message = f"q_learning_gridworld.py: stopped by {SIGNALS[signum]}, {unfinished}"
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
-        os._exit(code)  # now: not after the compiled call still running in the background
+        os._exit(128 + signum)  # now: not after the compiled call still running in the background

@@ -1049,18 +1049,20 @@ RESUME_ARGS = shlex.split(  # 19 blocks of 500 steps, then one of 234
 )
 
 
-def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, capsys):
-    """Ctrl-C mid-training: the block in progress ends, the run so far is saved (summary,
-    curves, params, figure and a checkpoint of the whole training state), one line says how to
-    go on, exit 130, no traceback. --resume then ends with the very files of a run never
-    stopped, bit for bit, and drops the checkpoint; a damaged copy of it is one line, and so is
-    the folder while a run still holds it (named by --resume). Every run takes exactly 9,734
-    steps."""
-    stopped, whole = tmp_path / "stopped", tmp_path / "whole"
+def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, capsys, monkeypatch):
+    """A closed terminal (SIGHUP; Ctrl-C and SIGTERM alike) mid-training: the block in progress
+    ends, the run so far is saved (summary, curves, params, figure and a checkpoint of the whole
+    training state), one line says how to go on, to paste into a shell, exit 129, no traceback.
+    --resume then ends with the very files of a run never stopped, bit for bit, drops the
+    checkpoint and what --load wrote of the old params; a damaged copy of it is one line, and so
+    is the folder while a run still holds it or this user cannot write to it (named by --resume).
+    Every run takes exactly 9,734 steps."""
+    stopped, whole = tmp_path / "stopped run", tmp_path / "whole"
     argv = [dqn.__file__, *RESUME_ARGS, "--output-dir", str(stopped)]
-    code, printed = run_and_interrupt(argv, signal.SIGINT, "10%")
-    assert code == 130 and "Traceback" not in printed, printed
-    assert printed.strip().splitlines()[-1].endswith(f"--resume {stopped}"), printed
+    code, printed = run_and_interrupt(argv, signal.SIGHUP, "10%")
+    assert code == 129 and "Traceback" not in printed, printed
+    hint = shlex.join(["python", os.path.relpath(dqn.__file__), "--resume", str(stopped)])
+    assert printed.strip().splitlines()[-1].endswith(f"to go on: {hint}"), printed
     summary = json.loads((stopped / "summary.json").read_text())
     assert 0 < summary["steps_done"] < 9_734 and summary["steps_done"] % 500 == 0
     assert (stopped / dqn.CHECKPOINT).exists() and (stopped / "learning_curves.png").exists()
@@ -1078,7 +1080,13 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
         dqn.main(["--resume", str(stopped)])
     os.close(held)
     assert "error: --resume: " in capsys.readouterr().err  # the flag given, not --output-dir
+    with monkeypatch.context() as patch, pytest.raises(SystemExit):  # a read-only mount, say
+        patch.setattr(os, "access", lambda path, mode: False)
+        dqn.main(["--resume", str(stopped)])
+    assert f"error: --resume {stopped}: " in capsys.readouterr().err  # not --output-dir either
+    (stopped / "load_summary.json").write_text("{}")  # as --load of the stopped run writes
     dqn.main(["--resume", str(stopped)])
+    assert not (stopped / "load_summary.json").exists()
     dqn.main([*RESUME_ARGS, "--output-dir", str(whole)])
     for name in ("params.msgpack", "curves.csv"):
         assert (stopped / name).read_bytes() == (whole / name).read_bytes(), name

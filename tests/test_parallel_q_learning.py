@@ -648,11 +648,11 @@ def run_and_interrupt(argv: list[str], signum: int, after: str) -> tuple[int, st
     return process.returncode, "".join(seen) + rest
 
 
-# One signal here (the gridworld's tests send both): each run costs a compile.
-@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143)])
+# One signal here (the gridworld's tests send all three): each run costs a compile.
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGHUP, 129)])
 def test_a_signal_during_training_is_one_line_and_its_exit_code(tmp_path, signum, code):
-    """Ctrl-C (SIGINT) and SIGTERM stop the run within a moment, mid-training, with one line
-    and 130 / 143, no traceback, and no file written."""
+    """Ctrl-C (SIGINT), SIGTERM and a closed terminal (SIGHUP) stop the run within a moment,
+    mid-training, with one line and 130 / 143 / 129, no traceback, and no file written."""
     output = tmp_path / "run"
     argv = [*SIGNAL_ARGV, "--output-dir", str(output)]
     returncode, printed = run_and_interrupt(argv, signum, SIGNAL_AFTER)
@@ -675,3 +675,14 @@ def test_processes_given_other_flags_are_one_line_before_training(tmp_path):
         assert last == "parallel_q_learning.py: error: --learning-rates differs between the " \
             "processes; give all the same", err  # fmt: skip
     assert not any(tmp_path.iterdir())
+
+
+def test_a_current_folder_that_was_deleted_is_one_line(tmp_path):
+    """The default --output-dir is relative to the current folder, here deleted: one line."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    deleted = 'cd "$1" && rmdir "$1" && exec "$2" "$3" --total-timesteps 1000'
+    command = ["sh", "-c", deleted, "sh", gone, sys.executable, SCRIPT]
+    result = subprocess.run(command, capture_output=True, text=True)
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(err) == 1 and "--output-dir" in err[0], err

@@ -770,10 +770,12 @@ def run_and_interrupt(argv: list[str], signum: int, after: str) -> tuple[int, st
     return process.returncode, "".join(seen) + rest
 
 
-@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize(
+    ("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)]
+)
 def test_a_signal_during_training_is_one_line_and_its_exit_code(tmp_path, signum, code):
-    """Ctrl-C (SIGINT) and SIGTERM stop a run that has started (here while it compiles) with
-    one line and 130 / 143, no traceback, and no file written."""
+    """Ctrl-C (SIGINT), SIGTERM and a closed terminal (SIGHUP) stop a run that has started (here
+    while it compiles) with one line and 130 / 143 / 129, no traceback, and no file written."""
     output = tmp_path / "run"
     argv = [*SIGNAL_ARGV, "--output-dir", str(output)]
     returncode, printed = run_and_interrupt(argv, signum, SIGNAL_AFTER)
@@ -781,3 +783,19 @@ def test_a_signal_during_training_is_one_line_and_its_exit_code(tmp_path, signum
     assert returncode == code and "Traceback" not in printed, printed
     assert last.endswith("unfinished; no file half-written") and "stopped by" in last, printed
     assert not output.exists() or not any(output.iterdir())
+
+
+def test_a_run_under_nohup_goes_on_after_sighup(tmp_path):
+    """nohup ignores SIGHUP, so that a closed terminal does not end the run: the script, which
+    otherwise stops on it (above), leaves it ignored, and the run ends whole, exit 0."""
+    output = tmp_path / "run"
+    process = subprocess.Popen(
+        ["nohup", sys.executable, "-u", str(SCRIPT), "--num-seeds", "3", "--output-dir", output],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    for line in process.stdout:  # the signal comes as it compiles: the run has not ended
+        if SIGNAL_AFTER in line:
+            process.send_signal(signal.SIGHUP)
+            break
+    printed, _ = process.communicate(timeout=120)
+    assert process.returncode == 0 and (output / "summary.json").exists(), printed

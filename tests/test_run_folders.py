@@ -176,21 +176,20 @@ def test_an_output_folder_this_user_cannot_write_to_is_one_line(
 
 
 def test_a_run_from_a_pipe_or_a_notebook_is_saved_whole(script, tmp_path):
-    """`script.py | head -1` from a notebook cell: stdout closed once its first line is read (a
-    BrokenPipeError at the next line used to lose the run), and the notebook's MPLBACKEND, which
-    this environment lacks (matplotlib would not import). The run goes on and is saved whole,
-    figures included, exit 0, no traceback."""
+    """`script.py 2>&1 | head -1` from a notebook cell: stdout and stderr closed once the first
+    line is read (a BrokenPipeError at the next line, or the DQN's next progress line on
+    stderr, used to lose the run), and the notebook's MPLBACKEND, which this environment lacks
+    (matplotlib would not import). The run goes on and is saved whole, figures included, exit 0."""
     output = tmp_path / "run"
     argv = [sys.executable, "-u", script.__file__, *shlex.split(SHORT_RUNS[script])]
     process = subprocess.Popen(
         [*argv, "--output-dir", str(output)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "MPLBACKEND": "module://matplotlib_inline.backend_inline"},
     )  # fmt: skip
     assert process.stdout.readline()
     process.stdout.close()  # as head does: the lines still to come have no reader
-    err = process.stderr.read()
-    assert process.wait(timeout=300) == 0 and "Traceback" not in err, err
+    assert process.wait(timeout=300) == 0
     assert all((output / name).is_file() for name in script.RUN_FILES), sorted(output.iterdir())
     assert any(path.suffix == ".png" for path in output.iterdir()), sorted(output.iterdir())
 
@@ -203,9 +202,9 @@ def test_importing_a_script_leaves_the_importers_matplotlib_backend_alone(script
     assert os.environ["MPLBACKEND"] == "module://a_notebooks_own"
 
 
-def test_a_stdout_that_cannot_be_written_goes_to_dev_null(script):
+def test_an_output_stream_that_cannot_be_written_goes_to_dev_null(script):
     with open("/dev/full", "w") as full:  # every write: "No space left on device"
-        stdout = script.BestEffortStdout(full)
-        print("a line", file=stdout, flush=True)  # no OSError
-        print("another", file=stdout, flush=True)
+        stream = script.BestEffortStream(full)
+        print("a line", file=stream, flush=True)  # no OSError
+        print("another", file=stream, flush=True)
         assert os.path.samefile(f"/proc/self/fd/{full.fileno()}", os.devnull)
