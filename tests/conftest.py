@@ -9,7 +9,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+# XLA's backend (LLVM) at its lowest optimization: the tests' programs are tiny and each is
+# compiled once, so that compiling takes half the time and running them, a fraction of it,
+# twice as long (measured: README, "Tests and layout"). The same HLO, the same results.
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One compilation cache for the session and the scripts its tests launch: many tests compile
 # the same small programs again (a run, then its --load or --resume, two processes of a

@@ -600,7 +600,8 @@ def launch_cluster(tmp_path, argv: list[str], only_1=()) -> list[subprocess.Pope
     """Processes 0 and 1 of a cluster on 127.0.0.1, one CPU device each, writing to
     tmp_path/process<i>; `only_1`: flags given to process 1 alone."""
     cluster = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    flags = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=1"  # the last wins
+    env = {**os.environ, "XLA_FLAGS": flags}
     return [
         subprocess.Popen(
             [sys.executable, "dqn_cartpole.py", *argv, *cluster, "--process-id", str(i)]

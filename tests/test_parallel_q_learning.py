@@ -475,7 +475,8 @@ def launch_cluster(tmp_path, argv: list[str], only_1=()) -> list[subprocess.Pope
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     cluster = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    flags = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=1"  # the last wins
+    env = {**os.environ, "XLA_FLAGS": flags}
     return [
         subprocess.Popen(
             [sys.executable, str(SCRIPT), *argv, *cluster, "--process-id", str(i)]
@@ -629,7 +630,7 @@ def test_output_dir_that_cannot_be_a_folder_is_one_line(tmp_path, monkeypatch, c
     assert list(tmp_path.iterdir()) == []
 
 
-SIGNAL_ARGV = [str(SCRIPT), "--num-seeds", "8192"]
+SIGNAL_ARGV = [str(SCRIPT), "--num-seeds", "1024"]
 SIGNAL_AFTER = "10%"  # printed once training runs
 
 
