@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cli  # next to this file: the benchmarks' flags
+
 HERE = Path(__file__).resolve().parent
 YARDSTICK = HERE / "article_dqn.py"
 
@@ -80,10 +82,10 @@ def timed(command: list[str], devices: int, one_core: bool) -> tuple[float, str]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timesteps", type=int, default=5_000, help="environment steps")
-    parser.add_argument("--num-agents", type=int, default=64, help="agents trained at once")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; medians")
+    parser = cli.parser(__doc__)
+    parser.add_argument("--timesteps", type=cli.count, default=5_000, help="environment steps")
+    parser.add_argument("--num-agents", type=cli.count, default=64, help="agents trained at once")
+    parser.add_argument("--repeats", type=cli.count, default=3, help="alternating rounds; medians")
     parser.add_argument("--one-core", action="store_true", help="also both sides on one core")
     parser.add_argument("--ours", action="store_true", help=argparse.SUPPRESS)  # a child run
     args = parser.parse_args()

@@ -12,7 +12,6 @@ in this process and alternate, so that a machine that slows down for a while slo
 Prints each run's compile and training seconds, the medians and the ratio of their sums.
 """
 
-import argparse
 import dataclasses
 import statistics
 import sys
@@ -20,6 +19,8 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+
+import cli  # next to this file: the benchmarks' flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
@@ -68,10 +69,10 @@ def in_one_call(config, env, network, grid, plan) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=128, help="seeds trained at once")
-    parser.add_argument("--timesteps", type=int, default=50_000, help="environment steps")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; medians")
+    parser = cli.parser(__doc__)
+    parser.add_argument("--seeds", type=cli.count, default=128, help="seeds trained at once")
+    parser.add_argument("--timesteps", type=cli.count, default=50_000, help="environment steps")
+    parser.add_argument("--repeats", type=cli.count, default=3, help="alternating rounds; medians")
     args = parser.parse_args()
     config = dataclasses.replace(
         dqn.Config(), num_seeds=args.seeds, total_timesteps=args.timesteps,

@@ -12,7 +12,6 @@ parsing to the written summary, compile and figure included (the interpreter and
 the same on both sides, left out). Prints each run, the medians and the ratios.
 """
 
-import argparse
 import contextlib
 import io
 import json
@@ -22,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import cli  # next to this file: the benchmarks' flags
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dqn_cartpole as dqn  # noqa: E402  (found next to this folder, from a clone)
 
@@ -30,18 +31,21 @@ GRID = ["--learning-rate", "1e-3,2.5e-3", "--gamma", "0.99,0.995"]  # 4 grid poi
 
 def timed(argv: list[str], output: Path) -> tuple[float, float]:
     """One quiet run of dqn_cartpole.main; (training s, end-to-end s)."""
-    start = time.perf_counter()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        dqn.main([*argv, "--output-dir", str(output)])
+    start, quiet = time.perf_counter(), io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(quiet):
+        try:
+            dqn.main([*argv, "--output-dir", str(output)])
+        except SystemExit:  # a size the script refuses: its own line, not silence
+            sys.exit(quiet.getvalue().strip().splitlines()[-1])
     wall = time.perf_counter() - start
     return json.loads((output / "summary.json").read_text())["train_time_s"], wall
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=32, help="seeds per grid point (N)")
-    parser.add_argument("--timesteps", type=int, default=10_000, help="environment steps")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; medians")
+    parser = cli.parser(__doc__)
+    parser.add_argument("--seeds", type=cli.count, default=32, help="seeds per grid point (N)")
+    parser.add_argument("--timesteps", type=cli.count, default=10_000, help="environment steps")
+    parser.add_argument("--repeats", type=cli.count, default=3, help="alternating rounds; medians")
     args = parser.parse_args()
     steps = ["--total-timesteps", str(args.timesteps), "--eval-every", str(args.timesteps)]
     steps += ["--learning-starts", str(min(1_000, args.timesteps // 2))]  # the default, or half

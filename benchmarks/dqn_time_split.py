@@ -21,7 +21,6 @@ their GFLOP/s: where the backward pass's time goes. The settings are benchmarks/
 events (jax.profiler), each with its output shape and the JAX operation it comes from.
 """
 
-import argparse
 import collections
 import dataclasses
 import os
@@ -31,6 +30,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import cli  # next to this file: the benchmarks' flags
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 if "--profile" in sys.argv:  # XLA's CPU ops then emit trace events, one per op run
@@ -198,10 +199,10 @@ def profile(function, keys, steps: int, top: int = 16) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--agents", type=int, default=64, help="agents under jax.vmap")
-    parser.add_argument("--steps", type=int, default=2_000, help="environment steps")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; medians")
+    parser = cli.parser(__doc__)
+    parser.add_argument("--agents", type=cli.count, default=64, help="agents under jax.vmap")
+    parser.add_argument("--steps", type=cli.count, default=2_000, help="environment steps")
+    parser.add_argument("--repeats", type=cli.count, default=3, help="alternating rounds; medians")
     parser.add_argument("--profile", action="store_true", help="the update's XLA ops by time")
     args = parser.parse_args()
     keys = jax.random.split(jax.random.key(0), args.agents)

@@ -11,7 +11,6 @@ a busy machine slows both alike; the medians and their ratio are printed. Absolu
 depend on the machine; the ratio is the figure to quote.
 """
 
-import argparse
 import math
 import re
 import statistics
@@ -19,6 +18,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import cli  # next to this file: the benchmarks' flags
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the scripts live at the repository root
@@ -40,9 +41,11 @@ def yardstick_steps_per_s(timesteps: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timesteps", type=int, default=1_000_000, help="steps per run")
-    parser.add_argument("--repeats", type=int, default=3, help="yardstick runs (ours: 5 each)")
+    parser = cli.parser(__doc__)
+    parser.add_argument("--timesteps", type=cli.count, default=1_000_000, help="steps per run")
+    parser.add_argument(
+        "--repeats", type=cli.count, default=3, help="yardstick runs (ours: 5 each)"
+    )
     args = parser.parse_args()
 
     # A block must divide the run; the script's default block when it does.

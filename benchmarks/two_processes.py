@@ -13,7 +13,6 @@ printed, with their ratios. The 2-process runs use the script's --coordinator-ad
 --num-processes and --process-id on 127.0.0.1, as README's "More than one machine" shows.
 """
 
-import argparse
 import os
 import re
 import socket
@@ -23,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import cli  # next to this file: the benchmarks' flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,9 +66,9 @@ def run(script: str, args: list[str], processes: int, output: str) -> tuple[floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser(__doc__)
     parser.add_argument("script", choices=["dqn_cartpole.py", "parallel_q_learning.py"])
-    parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; medians")
+    parser.add_argument("--repeats", type=cli.count, default=3, help="alternating rounds; medians")
     known, script_args = parser.parse_known_args()
     layouts = {"1 process x 2 devices": 1, "2 processes x 1 device": 2}
     rates = {name: [] for name in layouts}

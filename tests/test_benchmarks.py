@@ -1,0 +1,33 @@
+"""The benchmarks' command lines (their runs at a tiny size are tested beside each script)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BAD = {  # benchmark and arguments: the flag its one line must name
+    "dqn_cartpole.py --repeats 0": "--repeats",
+    "dqn_segments.py --seeds 0": "--seeds",
+    "dqn_sweep.py --timesteps -5": "--timesteps",
+    "dqn_time_split.py --agents 0": "--agents",
+    "q_learning_gridworld.py --timesteps x": "--timesteps",
+    "two_processes.py parallel_q_learning.py --repeats 0": "--repeats",
+}
+
+
+def test_a_bad_count_is_one_line_naming_its_flag():
+    """A count below 1 (or not a number) used to end in a traceback after the runs (a median
+    of nothing), or in meaningless numbers; now one line, exit 2, before any run. The six run
+    side by side: each pays for importing jax, and nothing more."""
+    runs = {}
+    for command in BAD:
+        script, *argv = command.split()
+        runs[command] = subprocess.Popen(
+            [sys.executable, str(BENCHMARKS / script), *argv],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    for command, run in runs.items():
+        out, err = run.communicate(timeout=120)
+        lines = err.strip().splitlines()
+        assert run.returncode == 2 and len(lines) == 1 and BAD[command] in lines[0], (command, err)
+        assert not out, (command, out)
