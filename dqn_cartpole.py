@@ -907,7 +907,8 @@ def written_whole():
 
 
 def catchable() -> list[int]:
-    """SIGNALS but those ignored from the start (nohup ignores SIGHUP): those stay ignored."""
+    """SIGNALS but those ignored now, as nohup leaves SIGHUP before the script starts: those
+    stay ignored."""
     return [signum for signum in SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
@@ -1406,7 +1407,7 @@ def plural(n: int, word: str) -> str:
 class StopRequest:
     """While training, Ctrl-C, SIGTERM or SIGHUP (a closed terminal) asks to stop: the block in
     progress ends, the run so far is saved with a checkpoint, and the script exits 128 + the
-    signal (130, 143, 129); a second signal stops at once."""
+    signal (130, 143, 129); a second Ctrl-C stops at once."""
 
     def __enter__(self):
         self.signum = None
@@ -1418,14 +1419,17 @@ class StopRequest:
             signal.signal(signum, handler)
 
     def ask(self, signum, frame):
-        if self.signum is not None:  # the second time: at once, as outside training
-            signal.signal(signum, self.previous[signum])
-            os.kill(os.getpid(), signum)
+        if self.signum is not None:
+            # Ctrl-C again: at once, as outside training. SIGTERM or SIGHUP again is the same
+            # request (a process group's and a watcher's, a hang-up's two): the run is saved.
+            if signum == signal.SIGINT:
+                signal.signal(signum, self.previous[signum])
+                os.kill(os.getpid(), signum)
             return
         self.signum = signum
         then = "the run stops once the block in progress ends, and is saved"
-        print(f"dqn_cartpole.py: {SIGNALS[signum]}: {then} (again to stop at once, unsaved)",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(f"dqn_cartpole.py: {SIGNALS[signum]}: {then} (Ctrl-C again to stop at once, "
+              "unsaved)", file=sys.stderr, flush=True)  # fmt: skip
 
     def asked(self) -> int:
         """The signal any process of the run was asked to stop by (0: none): every process
@@ -1545,7 +1549,10 @@ def run_folder(template: str, overwrite: bool) -> str:
     if held and not overwrite:
         raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")
     # make_folder looks again once it holds the lock: a run may end there meanwhile.
-    FOUND_EMPTY[Path(template).resolve()] = not held and not overwrite
+    try:  # a current folder deleted, or a symbolic link to itself: resolve() raises
+        FOUND_EMPTY[Path(template).resolve()] = not held and not overwrite
+    except (OSError, RuntimeError) as error:
+        raise ValueError(f"--output-dir {template}: {error}") from None
     return template
 
 
@@ -1740,7 +1747,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             save_run(output, summary, points, out)
             plot_run(output)
-            for stale in ("load_summary.json", "render.gif"):  # of the params before --resume
+            # --load of a stopped run writes these for its params, which --resume replaces
+            for stale in ("load_summary.json", "render.gif"):
                 (output / stale).unlink(missing_ok=True)
             if not stopped:  # a finished run needs no checkpoint
                 (output / CHECKPOINT).unlink(missing_ok=True)
@@ -1786,7 +1794,9 @@ class BestEffortStream:
         try:
             return method(*args)
         except OSError:  # a BrokenPipeError, say: from now on, /dev/null
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.stream.fileno())
+            os.close(null)
 
 
 class Stopped(Exception):
@@ -1795,6 +1805,8 @@ class Stopped(Exception):
 
 
 def stop(signum, frame):
+    for other in (signal.SIGTERM, signal.SIGHUP):  # a second (a hang-up sends two) must not cut
+        signal.signal(other, signal.SIG_IGN)  # the cleanup short
     raise Stopped(signum)
 
 

@@ -717,7 +717,8 @@ def written_whole():
 
 
 def catchable() -> list[int]:
-    """SIGNALS but those ignored from the start (nohup ignores SIGHUP): those stay ignored."""
+    """SIGNALS but those ignored now, as nohup leaves SIGHUP before the script starts: those
+    stay ignored."""
     return [signum for signum in SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
@@ -939,7 +940,10 @@ def run_folder(template: str, overwrite: bool) -> str:
     if held and not overwrite:
         raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")
     # make_folder looks again once it holds the lock: a run may end there meanwhile.
-    FOUND_EMPTY[Path(template).resolve()] = not held and not overwrite
+    try:  # a current folder deleted, or a symbolic link to itself: resolve() raises
+        FOUND_EMPTY[Path(template).resolve()] = not held and not overwrite
+    except (OSError, RuntimeError) as error:
+        raise ValueError(f"--output-dir {template}: {error}") from None
     return template
 
 
@@ -1233,7 +1237,9 @@ class BestEffortStream:
         try:
             return method(*args)
         except OSError:  # a BrokenPipeError, say: from now on, /dev/null
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.stream.fileno())
+            os.close(null)
 
 
 class Stopped(Exception):
@@ -1242,6 +1248,8 @@ class Stopped(Exception):
 
 
 def stop(signum, frame):
+    for other in (signal.SIGTERM, signal.SIGHUP):  # a second (a hang-up sends two) must not cut
+        signal.signal(other, signal.SIG_IGN)  # the cleanup short
     raise Stopped(signum)
 
 

@@ -32,11 +32,12 @@ GRID = ["--learning-rate", "1e-3,2.5e-3", "--gamma", "0.99,0.995"]  # 4 grid poi
 def timed(argv: list[str], output: Path) -> tuple[float, float]:
     """One quiet run of dqn_cartpole.main; (training s, end-to-end s)."""
     start, quiet = time.perf_counter(), io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(quiet):
-        try:
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(quiet):
             dqn.main([*argv, "--output-dir", str(output)])
-        except SystemExit:  # a size the script refuses: its own line, not silence
-            sys.exit(quiet.getvalue().strip().splitlines()[-1])
+    except SystemExit as stop:  # a size the script refuses: its own line, not silence
+        lines = quiet.getvalue().strip().splitlines()
+        sys.exit(lines[-1] if lines else stop.code)
     wall = time.perf_counter() - start
     return json.loads((output / "summary.json").read_text())["train_time_s"], wall
 

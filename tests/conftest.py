@@ -10,8 +10,9 @@ import tempfile
 from pathlib import Path
 
 # XLA's backend (LLVM) at its lowest optimization: the tests' programs are tiny and each is
-# compiled once, so that compiling takes half the time and running them, a fraction of it,
-# twice as long (measured: README, "Tests and layout"). The same HLO, the same results.
+# compiled once, so that compiling takes about half the time and running them, a fraction of
+# it, longer (measured: README, "Tests and layout"). The same HLO; its rounding may differ from
+# the default level's, so runs compared bit for bit share these flags.
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
 )
@@ -30,6 +31,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # would every script a test starts: the tests that send it would wait for nothing. A handler
 # here gives those scripts the default again (an exec resets a handled signal, not an ignored one).
 signal.signal(signal.SIGINT, signal.default_int_handler)
+# Likewise SIGHUP for a suite started under nohup (the scripts leave an ignored one ignored),
+# with a handler that ignores it: the suite still outlives its terminal, as nohup wanted.
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, lambda signum, frame: None)
 
 # The scripts live at the repository root, not in a package.
 ROOT = Path(__file__).resolve().parent.parent

@@ -1085,9 +1085,10 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
         patch.setattr(os, "access", lambda path, mode: False)
         dqn.main(["--resume", str(stopped)])
     assert f"error: --resume {stopped}: " in capsys.readouterr().err  # not --output-dir either
-    (stopped / "load_summary.json").write_text("{}")  # as --load of the stopped run writes
+    for name in ("load_summary.json", "render.gif"):  # as --load of the stopped run writes
+        (stopped / name).write_text("{}")
     dqn.main(["--resume", str(stopped)])
-    assert not (stopped / "load_summary.json").exists()
+    assert not any((stopped / name).exists() for name in ("load_summary.json", "render.gif"))
     dqn.main([*RESUME_ARGS, "--output-dir", str(whole)])
     for name in ("params.msgpack", "curves.csv"):
         assert (stopped / name).read_bytes() == (whole / name).read_bytes(), name
@@ -1151,6 +1152,25 @@ def test_a_saved_config_of_other_types_is_refused_as_it_is_read(tmp_path, capsys
             dqn.main([flag, str(tmp_path)])
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_info.value.code == 2 and len(err) == 1 and "hidden_sizes [16.0" in err[0], err
+
+
+def test_a_second_sigterm_or_sighup_asks_again_and_a_second_ctrl_c_stops_at_once(capsys):
+    """A hang-up sends SIGHUP twice (the shell's, then the kernel's), and a cluster's child gets
+    SIGTERM from its watcher and from a process group's kill: each is the first request again,
+    and the run is still saved. Only Ctrl-C again stops at once (as outside training)."""
+    at_once = []  # what "at once" would do: the handler from before training, here this one
+    previous = {s: signal.signal(s, lambda n, _: at_once.append(n)) for s in dqn.SIGNALS}
+    try:
+        with dqn.StopRequest() as stop:
+            for signum in (signal.SIGHUP, signal.SIGHUP, signal.SIGTERM):
+                os.kill(os.getpid(), signum)
+            assert stop.signum == signal.SIGHUP and at_once == []
+            os.kill(os.getpid(), signal.SIGINT)
+            assert at_once == [signal.SIGINT]
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    assert capsys.readouterr().err.count("Ctrl-C again to stop at once") == 1
 
 
 def test_stopped_at_once_before_anything_was_saved_leaves_no_folder(tmp_path):

@@ -679,11 +679,13 @@ def test_processes_given_other_flags_are_one_line_before_training(tmp_path):
 
 
 def test_a_current_folder_that_was_deleted_is_one_line(tmp_path):
-    """The default --output-dir is relative to the current folder, here deleted: one line."""
-    gone = tmp_path / "gone"
-    gone.mkdir()
-    deleted = 'cd "$1" && rmdir "$1" && exec "$2" "$3" --total-timesteps 1000'
-    command = ["sh", "-c", deleted, "sh", gone, sys.executable, SCRIPT]
-    result = subprocess.run(command, capture_output=True, text=True)
-    err = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(err) == 1 and "--output-dir" in err[0], err
+    """A relative --output-dir (the default, or one named) in a current folder that was deleted:
+    one line."""
+    for named in ("", "--output-dir run"):
+        gone = tmp_path / "gone"
+        gone.mkdir()
+        deleted = f'cd "$1" && rmdir "$1" && exec "$2" "$3" --total-timesteps 1000 {named}'
+        command = ["sh", "-c", deleted, "sh", gone, sys.executable, SCRIPT]
+        result = subprocess.run(command, capture_output=True, text=True)
+        err = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(err) == 1 and "--output-dir" in err[0], err

@@ -797,5 +797,7 @@ def test_a_run_under_nohup_goes_on_after_sighup(tmp_path):
         if SIGNAL_AFTER in line:
             process.send_signal(signal.SIGHUP)
             break
+    else:
+        pytest.fail("the run never started")
     printed, _ = process.communicate(timeout=120)
     assert process.returncode == 0 and (output / "summary.json").exists(), printed

@@ -208,3 +208,27 @@ def test_an_output_stream_that_cannot_be_written_goes_to_dev_null(script):
         print("a line", file=stream, flush=True)  # no OSError
         print("another", file=stream, flush=True)
         assert os.path.samefile(f"/proc/self/fd/{full.fileno()}", os.devnull)
+
+
+def test_an_output_dir_in_a_symlink_loop_is_one_line(script, tmp_path, capsys):
+    (tmp_path / "loop").symlink_to("loop")  # pathlib's resolve() raised RuntimeError on it
+    for output in ("loop", "loop/sub"):
+        with pytest.raises(SystemExit) as exit_info:
+            script.main(["--output-dir", str(tmp_path / output)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and len(err) == 1 and "--output-dir" in err[0], err
+
+
+def test_a_sighup_ignored_from_the_start_stays_ignored(script):
+    """nohup's SIGHUP: what holds signals while a run is written (and the DQN's stop request
+    while it trains) leaves it ignored, as `__main__` does (tested with nohup itself)."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with script.written_whole():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        if hasattr(script, "StopRequest"):
+            with script.StopRequest():
+                assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+                assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
