@@ -907,8 +907,8 @@ def written_whole():
 
 
 def catchable() -> list[int]:
-    """SIGNALS but those ignored now, as nohup leaves SIGHUP before the script starts: those
-    stay ignored."""
+    """SIGNALS but those ignored (nohup starts the script with SIGHUP ignored): those stay
+    ignored."""
     return [signum for signum in SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
@@ -1805,8 +1805,9 @@ class Stopped(Exception):
 
 
 def stop(signum, frame):
-    for other in (signal.SIGTERM, signal.SIGHUP):  # a second (a hang-up sends two) must not cut
-        signal.signal(other, signal.SIG_IGN)  # the cleanup short
+    # A second SIGTERM or SIGHUP (a hang-up sends two) must not cut the cleanup short.
+    for other in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(other, signal.SIG_IGN)
     raise Stopped(signum)
 
 
