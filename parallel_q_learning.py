@@ -455,12 +455,15 @@ G..#.....#..
 CPU_CHUNK_BYTES = 384 * 1024
 
 
-def wait(tree):
+def wait(tree, interrupts: list[BaseException]):
     """jax.block_until_ready that keeps Python responsive meanwhile: a Ctrl-C or SIGTERM is
-    handled within 0.1 s, not only when the compiled call returns."""
+    handled within 0.1 s, not only when the compiled call returns, also one that `interrupts`
+    holds for the compiled call's progress callback."""
     for leaf in jax.tree.leaves(tree):
-        while not leaf.is_ready():
+        while not (leaf.is_ready() or interrupts):
             time.sleep(0.05)
+    if interrupts:
+        raise interrupts[0]
     return tree
 
 
@@ -579,10 +582,9 @@ def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
     local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
     total_calls = local_devices * chunks * schedule.num_points
     # Devices call on_point from their own threads: next() is atomic, a line is one write.
-    calls, clock = itertools.count(1), {"start": 0.0}
+    calls, clock, interrupts = itertools.count(1), {"start": 0.0}, []
 
-    def on_point(_) -> None:
-        call = next(calls)
+    def report(call: int) -> None:
         if call % max(1, total_calls // 10) == 0 or call == total_calls:
             seconds = time.perf_counter() - clock["start"]
             done = call / total_calls
@@ -592,6 +594,12 @@ def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
             print(f"  {done:4.0%}  train {seconds:6.2f} s  {rate / 1e6:.1f}M agent-steps/s  "
                   f"ETA {eta:.1f} s\n", end="", flush=True)  # fmt: skip
 
+    def on_point(_) -> None:
+        try:  # A signal handled in here (a GPU calls back on the main thread) would end the
+            report(next(calls))  # compiled call with an XLA error: wait() raises it instead.
+        except (KeyboardInterrupt, Stopped) as interrupt:
+            interrupts.append(interrupt)
+
     sweep = shard_sweep(make_sweep(make_train(config, env, schedule, on_point)), mesh, chunks)
     keys = make_seed_keys(config.seed, config.num_seeds, mesh, chunks)
     grid = hparam_grid(config)
@@ -599,7 +607,7 @@ def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
     compiled = sweep.lower(keys, grid).compile()
     compile_time = time.perf_counter() - start
     start = clock["start"] = time.perf_counter()
-    result = wait(compiled(keys, grid))
+    result = wait(compiled(keys, grid), interrupts)
     timings = {
         "compile_time_s": compile_time,
         "train_time_s": time.perf_counter() - start,  # the compiled training call alone
@@ -1142,6 +1150,10 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as error:  # a damaged file: one line, not a traceback
             fail(f"--replot {config}: cannot redraw ({type(error).__name__}: {error})"[:300])
         return print(f"redrew sweep_heatmap.png, learning_curves.png in {config}/ (no training)")
+    # The progress line leaves the compiled sweep through jax.debug.callback, which needs JAX's
+    # CPU platform: JAX_PLATFORMS=cuda gets cpu beside it (cuda, first, still runs the sweep).
+    if (platforms := jax.config.jax_platforms) and "cpu" not in platforms.split(","):
+        jax.config.update("jax_platforms", f"{platforms},cpu")
     join_cluster(**cluster)
     if jax.process_count() > 1:
         check_same_flags(config)
