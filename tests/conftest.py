@@ -9,6 +9,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 # XLA's backend (LLVM) at its lowest optimization: the tests' programs are tiny and each is
 # compiled once, so that compiling takes about half the time and running them, a fraction of
 # it, longer (measured: README, "Tests and layout"). The same HLO; its rounding may differ from
@@ -16,7 +18,11 @@ from pathlib import Path
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
 )
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A session on a GPU (JAX_PLATFORMS=cuda) keeps JAX's CPU too, as parallel_q_learning.py's main()
+# does: its progress callback needs it, and its tests call main() after JAX has started.
+platforms = os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "cpu" not in platforms.split(","):
+    os.environ["JAX_PLATFORMS"] = f"{platforms},cpu"
 # One compilation cache for the session and the scripts its tests launch: many tests compile
 # the same small programs again (a run, then its --load or --resume, two processes of a
 # cluster), and compiling is most of the suite's time. Fresh each session.
@@ -39,3 +45,16 @@ if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
 # The scripts live at the repository root, not in a package.
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked cpu_devices check the layout of seeds over the two CPU devices set up above:
+    a session on a GPU (JAX_PLATFORMS=cuda: one device, other batches) skips them."""
+    import jax  # here, not above: after the environment it reads is set
+
+    if jax.default_backend() != "cpu":
+        skip = pytest.mark.skip(reason=f"needs the two CPU devices; this session runs on "
+                                f"{jax.default_backend()}")  # fmt: skip
+        for item in items:
+            if item.get_closest_marker("cpu_devices"):
+                item.add_marker(skip)

@@ -329,6 +329,7 @@ def test_memory_batches_seeds_when_they_do_not_fit(monkeypatch):
         dqn.plan_seeds(config.num_seeds, need)
 
 
+@pytest.mark.cpu_devices
 def test_seed_i_is_the_same_agent_whatever_num_seeds():
     """Seeds 0 and 1 train bit for bit the same agents in runs of 3 or 40 seeds: on a CPU every
     run has the same batch width, padded, so a seed runs in the same lane of the same program
@@ -342,6 +343,7 @@ def test_seed_i_is_the_same_agent_whatever_num_seeds():
     jax.tree.map(np.testing.assert_array_equal, runs[3], runs[40])
 
 
+@pytest.mark.cpu_devices
 def test_gpu_layout_runs_on_a_cpu(monkeypatch, vmapped_out):
     """The layout a GPU gets (free memory from memory_stats, every agent of a device at once,
     no CPU batch limit), run on the CPU: it trains what jit(vmap(train)) trains."""
@@ -431,6 +433,7 @@ def test_matmul_backward_gives_the_plain_products_gradients():
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.cpu_devices
 def test_cpu_runs_seeds_in_cache_sized_batches():
     config = dataclasses.replace(TINY, num_seeds=4 * dqn.CPU_SEEDS_PER_BATCH)  # 2 per device
     plan = dqn.plan_seeds(config.num_seeds, bytes_per_seed(config))
@@ -501,6 +504,7 @@ def test_tiny_run_on_a_gymnax_environment(name):
 # ---------------------------------------------------------------- command line
 
 
+@pytest.mark.cpu_devices
 def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_out):
     """3 seeds on 2 devices (padded to two batches of 16 per device, the padding dropped) give what
     jit(vmap) gave; progress is reported after each block; then --load re-evaluates."""
@@ -601,7 +605,7 @@ def launch_cluster(tmp_path, argv: list[str], only_1=()) -> list[subprocess.Pope
     tmp_path/process<i>; `only_1`: flags given to process 1 alone."""
     cluster = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
     flags = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=1"  # the last wins
-    env = {**os.environ, "XLA_FLAGS": flags}
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}  # on a GPU machine too
     return [
         subprocess.Popen(
             [sys.executable, "dqn_cartpole.py", *argv, *cluster, "--process-id", str(i)]
@@ -616,6 +620,7 @@ def launch_cluster(tmp_path, argv: list[str], only_1=()) -> list[subprocess.Pope
     ]
 
 
+@pytest.mark.cpu_devices
 def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
     """Two processes on 127.0.0.1, one CPU device each, form one JAX cluster: the seeds are
     sharded over both, only process 0 writes, both exit 0, and every agent is bit for bit the

@@ -425,6 +425,7 @@ def test_uniform_exploration_learns_the_whole_table(name):
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.cpu_devices
 @pytest.mark.parametrize("batch_size", [None, 1])  # all seeds of a device at once, or one by one
 def test_sharded_seeds_match_single_runs(small_train, batch_size):
     assert jax.device_count() == 2
