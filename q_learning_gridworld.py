@@ -63,7 +63,7 @@ class Config:
             # The step and episode counters are int32, jax's default.
             ("total_timesteps", 1 <= self.total_timesteps < 2**31, "in [1, 2^31)"),
             ("num_seeds", self.num_seeds >= 1, "at least 1"),
-            ("steps_per_block", self.steps_per_block >= 1, "at least 1"),
+            ("steps_per_block", 1 <= self.steps_per_block < 2**31, "in [1, 2^31)"),
             ("num_curve_points", self.num_curve_points >= 1, "at least 1"),
             ("num_recorded_episodes", self.num_recorded_episodes >= 1, "at least 1"),
             ("max_episode_steps", 0 <= self.max_episode_steps < 2**31, "in [0, 2^31)"),
@@ -446,6 +446,14 @@ def train_seeds(train, seed: int, num_seeds: int, batch_size: int | None = None)
     return jax.tree.map(lambda x: np.asarray(x)[:num_seeds], out), timings
 
 
+def host_memory() -> int:  # bytes of RAM (tests pretend other sizes)
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def count_blocks(config: Config) -> int:
+    return -(-config.total_timesteps // config.steps_per_block)  # the last one may be shorter
+
+
 def check_memory(config: Config, env: GridWorld) -> None:
     """Refuse, before compiling, a run whose arrays need more than half the devices' memory
     (GPU memory where reported, else RAM; the rest is for XLA and everything else), naming the
@@ -453,16 +461,24 @@ def check_memory(config: Config, env: GridWorld) -> None:
     --num-seeds. Bytes per seed, by the flag that drives each part."""
     per_seed = {
         "--layout": 4 * 3 * env.num_cells * NUM_ACTIONS,  # the Q-table thrice: carry, loop, output
-        "--steps-per-block": 4 * 6 * config.steps_per_block,  # a block's random words, and more
+        # A block's random words, and more; a block is at most the whole run.
+        "--steps-per-block": 4 * 6 * min(config.steps_per_block, config.total_timesteps),
         # On the device, then as rows of first_episodes.csv and points of the figure.
         "--num-recorded-episodes": 200 * config.num_recorded_episodes,
         "--num-curve-points": 4 * 4 * config.num_curve_points,
     }
     stats = [device.memory_stats() or {} for device in jax.devices()]
+    host = host_memory() / 2
     if jax.default_backend() != "cpu" and all("bytes_limit" in s for s in stats):
         limit = sum(s["bytes_limit"] for s in stats) / 2
     else:
-        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2
+        limit = host
+    blocks = count_blocks(config)
+    if 24 * blocks > host:  # make_train's curve point of each block, in numpy, then jax
+        fail(
+            f"--steps-per-block: {blocks:,} blocks of it need about {24 * blocks / 1e9:.1f} GB "
+            f"to index, more than half the host's memory ({host / 1e9:.1f} GB); raise it"
+        )
     need = sum(per_seed.values())
     if need > limit:
         largest = max(per_seed, key=per_seed.get)
@@ -891,7 +907,7 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as error:
         fail(f"--output-dir: {error}")
     config = dataclasses.replace(config, output_dir=str(output_dir))
-    num_blocks = -(-config.total_timesteps // config.steps_per_block)
+    num_blocks = count_blocks(config)
     if config.num_curve_points > num_blocks:  # a curve point is made of whole blocks
         print(
             f"note: {num_blocks} curve points, not {config.num_curve_points}: --num-curve-points "

@@ -507,6 +507,9 @@ BAD_FLAGS = [
     # One seed too many: the line names the flag that drives the memory, not --num-seeds.
     (["--num-recorded-episodes", str(10**8)], "--num-recorded-episodes"),
     (["--total-timesteps", "2000000000", "--steps-per-block", "2000000000"], "--steps-per-block"),
+    (["--total-timesteps", "1000", "--steps-per-block", str(2**31)], "--steps-per-block"),
+    # 10^9 blocks of one step: their curve points alone would need 24 GB of host memory.
+    (["--total-timesteps", "1000000000", "--steps-per-block", "1"], "--steps-per-block"),
 ]
 
 
@@ -532,8 +535,17 @@ def test_cli_rejects_bad_map_files(capsys, tmp_path, name):
 
 
 @pytest.mark.parametrize("argv, needle", BAD_FLAGS)
-def test_cli_rejects_bad_flags(capsys, tmp_path, argv, needle):
+def test_cli_rejects_bad_flags(capsys, tmp_path, argv, needle, monkeypatch):
+    monkeypatch.setattr(qlg, "host_memory", lambda: 16 * 2**30)  # the same refusals anywhere
     expect_one_line_error(capsys, tmp_path, argv, needle)
+
+
+def test_a_block_longer_than_the_run_needs_the_runs_memory_only(tmp_path, monkeypatch):
+    """--steps-per-block 2*10^9 on a run of 1,000 steps is one block of 1,000 steps: accepted."""
+    monkeypatch.setattr(qlg, "host_memory", lambda: 16 * 2**30)
+    argv = ["--total-timesteps", "1000", "--steps-per-block", str(2 * 10**9)]
+    qlg.main([*argv, "--output-dir", str(tmp_path / "run")])
+    assert (tmp_path / "run" / "summary.json").is_file()
 
 
 def test_cli_rejects_an_output_dir_that_is_a_file(capsys, tmp_path):
