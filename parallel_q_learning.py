@@ -406,6 +406,7 @@ import csv
 import ctypes
 import fcntl
 import json
+import logging
 import platform
 import signal
 import socket
@@ -455,15 +456,12 @@ G..#.....#..
 CPU_CHUNK_BYTES = 384 * 1024
 
 
-def wait(tree, interrupts: list[BaseException]):
+def wait(tree):
     """jax.block_until_ready that keeps Python responsive meanwhile: a Ctrl-C or SIGTERM is
-    handled within 0.1 s, not only when the compiled call returns, also one that `interrupts`
-    holds for the compiled call's progress callback."""
+    handled within 0.1 s, not only when the compiled call returns."""
     for leaf in jax.tree.leaves(tree):
-        while not (leaf.is_ready() or interrupts):
+        while not leaf.is_ready():
             time.sleep(0.05)
-    if interrupts:
-        raise interrupts[0]
     return tree
 
 
@@ -581,10 +579,12 @@ def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
     # on_point: per device, chunk and point; in a cluster, this process's devices only.
     local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
     total_calls = local_devices * chunks * schedule.num_points
-    # Devices call on_point from their own threads: next() is atomic, a line is one write.
-    calls, clock, interrupts = itertools.count(1), {"start": 0.0}, []
+    # on_point runs on a device's thread (or on a GPU, the main thread): next() is atomic, a
+    # line is one write.
+    calls, clock = itertools.count(1), {"start": 0.0}
 
-    def report(call: int) -> None:
+    def on_point(_) -> None:
+        call = next(calls)
         if call % max(1, total_calls // 10) == 0 or call == total_calls:
             seconds = time.perf_counter() - clock["start"]
             done = call / total_calls
@@ -594,12 +594,6 @@ def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
             print(f"  {done:4.0%}  train {seconds:6.2f} s  {rate / 1e6:.1f}M agent-steps/s  "
                   f"ETA {eta:.1f} s\n", end="", flush=True)  # fmt: skip
 
-    def on_point(_) -> None:
-        try:  # A signal handled in here (a GPU calls back on the main thread) would end the
-            report(next(calls))  # compiled call with an XLA error: wait() raises it instead.
-        except (KeyboardInterrupt, Stopped) as interrupt:
-            interrupts.append(interrupt)
-
     sweep = shard_sweep(make_sweep(make_train(config, env, schedule, on_point)), mesh, chunks)
     keys = make_seed_keys(config.seed, config.num_seeds, mesh, chunks)
     grid = hparam_grid(config)
@@ -607,16 +601,20 @@ def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
     compiled = sweep.lower(keys, grid).compile()
     compile_time = time.perf_counter() - start
     start = clock["start"] = time.perf_counter()
-    result = wait(compiled(keys, grid), interrupts)
+    try:
+        result = wait(compiled(keys, grid))
+        train_time = time.perf_counter() - start  # the compiled training call alone
+        # Every agent's result on every process, also the shards other processes computed.
+        result = multihost_utils.process_allgather(result, tiled=True)
+    except (jax.errors.JaxRuntimeError, ValueError) as error:
+        if RECEIVED:  # handled inside on_point, a signal ends the compiled call with this error
+            stop(RECEIVED[0], None)  # raises it again, for main's one line
+        fail(f"another process of the cluster stopped ({str(error).splitlines()[0][:160]})", 1)
     timings = {
         "compile_time_s": compile_time,
-        "train_time_s": time.perf_counter() - start,  # the compiled training call alone
+        "train_time_s": train_time,
         "seeds_padded_to": int(keys.shape[0]),  # a multiple of devices x chunks
     }
-    try:  # every agent's result on every process, also the shards other processes computed
-        result = multihost_utils.process_allgather(result, tiled=True)
-    except (jax.errors.JaxRuntimeError, ValueError) as error:  # a process died: one line
-        fail(f"another process of the cluster stopped ({str(error).splitlines()[0][:160]})", 1)
     return jax.tree.map(lambda x: np.asarray(x)[:, : config.num_seeds], result), timings
 
 
@@ -1152,9 +1150,12 @@ def main(argv: list[str] | None = None) -> None:
         return print(f"redrew sweep_heatmap.png, learning_curves.png in {config}/ (no training)")
     # The progress line leaves the compiled sweep through jax.debug.callback, which needs JAX's
     # CPU platform: JAX_PLATFORMS=cuda gets cpu beside it (cuda, first, still runs the sweep).
-    if (platforms := jax.config.jax_platforms) and "cpu" not in platforms.split(","):
+    platforms = jax.config.jax_platforms
+    if cpu_added := bool(platforms) and "cpu" not in platforms.split(","):
         jax.config.update("jax_platforms", f"{platforms},cpu")
     join_cluster(**cluster)
+    if cpu_added and jax.default_backend() == "cpu":  # JAX passes over a cuda it cannot see
+        fail(f"JAX_PLATFORMS={platforms!r}: JAX finds no such device here, only the CPU")
     if jax.process_count() > 1:
         check_same_flags(config)
     schedule = make_schedule(config)
@@ -1259,11 +1260,15 @@ class Stopped(Exception):
     KeyboardInterrupt; args[0] is the signal."""
 
 
+RECEIVED: list[int] = []  # the signals stop() was called for
+
+
 def stop(signum, frame):
+    RECEIVED.append(signum)
     # A second SIGTERM or SIGHUP (a hang-up sends two) must not cut the cleanup short.
     for other in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(other, signal.SIG_IGN)
-    raise Stopped(signum)
+    raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
 
 
 def rank(argv: list[str]) -> int:
@@ -1313,9 +1318,14 @@ def watch(argv: list[str]) -> int:
 if __name__ == "__main__":
     if "PARALLEL_Q_LEARNING_WATCHED" not in os.environ and rank(sys.argv[1:]) > 0:
         sys.exit(watch(sys.argv[1:]))
-    for signum in (signal.SIGTERM, signal.SIGHUP):
+    for signum in SIGNALS:
         if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
             signal.signal(signum, stop)
+    # JAX logs an exception raised in a callback, with its traceback: not a signal's (main
+    # prints its one line).
+    logging.getLogger("jax._src.debugging").addFilter(
+        lambda record: not (record.exc_info and record.exc_info[0] in (KeyboardInterrupt, Stopped))
+    )
     # Figures go to files, with Agg: a notebook's `!python` passes on its own MPLBACKEND, which
     # may not load here (matplotlib would not even import). Set here, not for an importer.
     os.environ["MPLBACKEND"] = "Agg"

@@ -21,7 +21,7 @@ os.environ.setdefault(
 # A session on a GPU (JAX_PLATFORMS=cuda) keeps JAX's CPU too, as parallel_q_learning.py's main()
 # does: its progress callback needs it, and its tests call main() after JAX has started.
 platforms = os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "cpu" not in platforms.split(","):
+if platforms and "cpu" not in platforms.split(","):  # "": JAX chooses, and starts the CPU too
     os.environ["JAX_PLATFORMS"] = f"{platforms},cpu"
 # One compilation cache for the session and the scripts its tests launch: many tests compile
 # the same small programs again (a run, then its --load or --resume, two processes of a

@@ -7,6 +7,7 @@ import importlib.util
 import os
 import resource
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,17 +148,22 @@ def test_replot_of_a_damaged_run_is_one_line(script, tmp_path, capsys):
     assert exit_info.value.code == 2 and len(err) == 1 and "--replot" in err[0], err
 
 
-def test_a_jax_platform_this_machine_lacks_is_one_line(script, tmp_path):
+# cuda where no NVIDIA GPU is seen: JAX passes over it, and would train on the CPU unasked.
+NO_GPU = pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU may be here")
+
+
+@pytest.mark.parametrize("platform", ["nosuchplatform", pytest.param("cuda", marks=NO_GPU)])
+def test_a_jax_platform_this_machine_lacks_is_one_line(script, tmp_path, platform):
     output = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, script.__file__, "--output-dir", str(output)],
         capture_output=True,
         text=True,
-        env={**os.environ, "JAX_PLATFORMS": "nosuchplatform"},
+        env={**os.environ, "JAX_PLATFORMS": platform},
     )
     err = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(err) == 1, err
-    assert "JAX_PLATFORMS='nosuchplatform': no JAX backend" in err[0]
+    assert f"JAX_PLATFORMS={platform!r}: " in err[0]
     assert not output.exists()
 
 
