@@ -468,16 +468,18 @@ def check_memory(config: Config, env: GridWorld) -> None:
         "--num-curve-points": 4 * 4 * config.num_curve_points,
     }
     stats = [device.memory_stats() or {} for device in jax.devices()]
-    host = host_memory() / 2
+    half_host = host_memory() / 2
     if jax.default_backend() != "cpu" and all("bytes_limit" in s for s in stats):
         limit = sum(s["bytes_limit"] for s in stats) / 2
     else:
-        limit = host
+        limit = half_host
     blocks = count_blocks(config)
-    if 24 * blocks > host:  # make_train's curve point of each block, in numpy, then jax
+    if 24 * blocks > half_host:  # make_train's curve point of each block, in numpy, then jax
+        fewest = -(-24 * config.total_timesteps // int(half_host))
         fail(
-            f"--steps-per-block: {blocks:,} blocks of it need about {24 * blocks / 1e9:.1f} GB "
-            f"to index, more than half the host's memory ({host / 1e9:.1f} GB); raise it"
+            f"--steps-per-block: {blocks:,} blocks need about {24 * blocks / 1e9:.1f} GB to "
+            f"index, more than half the host's memory ({half_host / 1e9:.1f} GB); use "
+            f"--steps-per-block {fewest:,} or more"
         )
     need = sum(per_seed.values())
     if need > limit:

@@ -871,7 +871,7 @@ BAD_INPUTS = [
     (["--checkpoint-every", "-1"], "--checkpoint-every"),
     # Memory: the results of all seeds, and the flag that drives one seed's need.
     (["--num-seeds", "1000000000"], "--num-seeds"),
-    (["--eval-episodes", "100000000"], "--eval-episodes"),
+    (["--eval-episodes", "2000000000"], "--eval-episodes"),  # 4 TB a seed: any machine refuses
     (["--buffer-size", "10000000000"], "--buffer-size"),
     # A cluster that cannot form: one line before any work, not JAX's abort after its time-out.
     (["--num-processes", "2"], "--process-id"),

@@ -536,7 +536,7 @@ def test_cli_rejects_bad_map_files(capsys, tmp_path, name):
 
 @pytest.mark.parametrize("argv, needle", BAD_FLAGS)
 def test_cli_rejects_bad_flags(capsys, tmp_path, argv, needle, monkeypatch):
-    monkeypatch.setattr(qlg, "host_memory", lambda: 16 * 2**30)  # the same refusals anywhere
+    monkeypatch.setattr(qlg, "host_memory", lambda: 16 * 2**30)  # the same on any CPU host
     expect_one_line_error(capsys, tmp_path, argv, needle)
 
 
