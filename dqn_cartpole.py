@@ -1766,7 +1766,11 @@ def main(argv: list[str] | None = None) -> None:
             print(wall)
         if stopped:
             steps = f"{extra['steps_done']:,} of {config.total_timesteps:,} steps"
-            command = ["python", os.path.relpath(__file__), "--resume", str(output)]
+            try:  # the script's path from here, or absolute where this folder was deleted
+                script = os.path.relpath(__file__)
+            except OSError:
+                script = __file__
+            command = ["python", script, "--resume", str(output)]
             hint = f"to go on: {shlex.join(command)}"  # to paste into a shell
             print(f"dqn_cartpole.py: stopped by {SIGNALS[stopped]} after {steps}, saved in "
                   f"{output}/; {hint}", file=sys.stderr)  # fmt: skip

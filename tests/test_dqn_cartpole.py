@@ -1055,6 +1055,26 @@ RESUME_ARGS = shlex.split(  # 19 blocks of 500 steps, then one of 234
 )
 
 
+def test_the_line_to_go_on_when_the_current_folder_was_deleted(tmp_path):
+    """The folder the run started in, deleted meanwhile: the run is saved and the line to go on
+    names the script by its absolute path (a relative one needs that folder), exit 129."""
+    gone, stopped = tmp_path / "gone", tmp_path / "stopped"
+    gone.mkdir()
+    argv = [sys.executable, "-u", dqn.__file__, *RESUME_ARGS, "--output-dir", str(stopped)]
+    process = subprocess.Popen(argv, cwd=gone, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)  # fmt: skip
+    for line in process.stdout:
+        if "10%" in line:
+            gone.rmdir()
+            process.send_signal(signal.SIGHUP)
+            break
+    rest, _ = process.communicate(timeout=120)
+    assert process.returncode == 129 and "Traceback" not in rest, rest
+    hint = shlex.join(["python", dqn.__file__, "--resume", str(stopped)])
+    assert rest.strip().splitlines()[-1].endswith(f"to go on: {hint}"), rest
+    assert (stopped / dqn.CHECKPOINT).exists()
+
+
 def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, capsys, monkeypatch):
     """A closed terminal (SIGHUP; Ctrl-C and SIGTERM alike) mid-training: the block in progress
     ends, the run so far is saved (summary, curves, params, figure and a checkpoint of the whole
