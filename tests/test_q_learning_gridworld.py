@@ -508,8 +508,6 @@ BAD_FLAGS = [
     (["--num-recorded-episodes", str(10**8)], "--num-recorded-episodes"),
     (["--total-timesteps", "2000000000", "--steps-per-block", "2000000000"], "--steps-per-block"),
     (["--total-timesteps", "1000", "--steps-per-block", str(2**31)], "--steps-per-block"),
-    # 10^9 blocks of one step: their curve points alone would need 24 GB of host memory.
-    (["--total-timesteps", "1000000000", "--steps-per-block", "1"], "--steps-per-block"),
 ]
 
 
@@ -538,6 +536,20 @@ def test_cli_rejects_bad_map_files(capsys, tmp_path, name):
 def test_cli_rejects_bad_flags(capsys, tmp_path, argv, needle, monkeypatch):
     monkeypatch.setattr(qlg, "host_memory", lambda: 16 * 2**30)  # the same on any CPU host
     expect_one_line_error(capsys, tmp_path, argv, needle)
+
+
+def test_too_many_blocks_to_index_are_refused_naming_the_fewest_steps(capsys, monkeypatch):
+    """make_train indexes every block's curve point (24 bytes a block): 100,000 blocks of one
+    step on a host of 2 MB are refused (had this check gone, the run would train, not hang)."""
+    monkeypatch.setattr(qlg, "host_memory", lambda: 2_000_000)
+    config = qlg.Config(total_timesteps=100_000, steps_per_block=1)
+    with pytest.raises(SystemExit):
+        qlg.check_memory(config, qlg.GridWorld(config.layout, config.max_episode_steps))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--steps-per-block: 100,000 blocks need" in err[0], err
+    assert err[0].endswith("use --steps-per-block 3 or more"), err  # 24 x 100,000 / 1,000,000
+    config = qlg.Config(total_timesteps=100_000, steps_per_block=3)
+    qlg.check_memory(config, qlg.GridWorld(config.layout, config.max_episode_steps))  # accepted
 
 
 def test_a_block_longer_than_the_run_needs_the_runs_memory_only(tmp_path, monkeypatch):
