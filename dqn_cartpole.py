@@ -1862,8 +1862,8 @@ def watch(argv: list[str]) -> int:
 if __name__ == "__main__":
     if "DQN_CARTPOLE_WATCHED" not in os.environ and rank(sys.argv[1:]) > 0:
         sys.exit(watch(sys.argv[1:]))
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+    for signum in catchable():  # nohup's SIGHUP stays ignored; Ctrl-C keeps Python's own
+        if signum != signal.SIGINT:
             signal.signal(signum, stop)
     # Figures go to files, with Agg: a notebook's `!python` passes on its own MPLBACKEND, which
     # may not load here (matplotlib would not even import). Set here, not for an importer.

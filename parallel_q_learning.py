@@ -1318,9 +1318,8 @@ def watch(argv: list[str]) -> int:
 if __name__ == "__main__":
     if "PARALLEL_Q_LEARNING_WATCHED" not in os.environ and rank(sys.argv[1:]) > 0:
         sys.exit(watch(sys.argv[1:]))
-    for signum in SIGNALS:
-        if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
-            signal.signal(signum, stop)
+    for signum in catchable():  # nohup's SIGHUP stays ignored
+        signal.signal(signum, stop)
     # JAX logs an exception raised in a callback, with its traceback: not a signal's (main
     # prints its one line).
     logging.getLogger("jax._src.debugging").addFilter(

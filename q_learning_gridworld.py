@@ -987,8 +987,8 @@ def stop(signum, frame):
 
 
 if __name__ == "__main__":
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+    for signum in catchable():  # nohup's SIGHUP stays ignored; Ctrl-C keeps Python's own
+        if signum != signal.SIGINT:
             signal.signal(signum, stop)
     # Figures go to files, with Agg: a notebook's `!python` passes on its own MPLBACKEND, which
     # may not load here (matplotlib would not even import). Set here, not for an importer.
