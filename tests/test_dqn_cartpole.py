@@ -595,7 +595,7 @@ def test_process_0_alone_is_one_line_once_the_cluster_timeout_passes(tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
-CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "4000"]  # 8 blocks, several gathers
+CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "2000"]  # 4 blocks, several gathers
 # Long enough for a process to be killed mid-training: 40 blocks (the same compiled programs).
 LONG_CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "20000"]
 
@@ -1050,28 +1050,29 @@ def run_and_interrupt(argv: list[str], signum: int, after: str) -> tuple[int, st
     return process.returncode, "".join(seen) + rest
 
 
-RESUME_ARGS = shlex.split(  # 19 blocks of 500 steps, then one of 234
-    "--num-seeds 2 --total-timesteps 9734 --eval-every 500 --hidden-sizes 16 --buffer-size 256"
-)
+# TINY_ARGS' programs, compiled once for the suite: 5 blocks of 500 steps, then one of 234.
+RESUME_ARGS = [*TINY_ARGS, "--total-timesteps", "2734"]
 
 
-def test_the_line_to_go_on_when_the_current_folder_was_deleted(tmp_path):
+def test_the_line_to_go_on_when_the_current_folder_was_deleted(tmp_path, monkeypatch, capsys):
     """The folder the run started in, deleted meanwhile: the run is saved and the line to go on
-    names the script by its absolute path (a relative one needs that folder), exit 129."""
+    names the script by its absolute path (a relative one needs that folder), exit 129. In this
+    process: the first progress line deletes the folder and sends the SIGHUP."""
     gone, stopped = tmp_path / "gone", tmp_path / "stopped"
     gone.mkdir()
-    argv = [sys.executable, "-u", dqn.__file__, *RESUME_ARGS, "--output-dir", str(stopped)]
-    process = subprocess.Popen(argv, cwd=gone, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)  # fmt: skip
-    for line in process.stdout:
-        if "10%" in line:
+    monkeypatch.chdir(gone)
+
+    def hang_up(progress, steps, seconds):
+        if gone.exists():
             gone.rmdir()
-            process.send_signal(signal.SIGHUP)
-            break
-    rest, _ = process.communicate(timeout=120)
-    assert process.returncode == 129 and "Traceback" not in rest, rest
+            os.kill(os.getpid(), signal.SIGHUP)  # the run's StopRequest handles it
+
+    monkeypatch.setattr(dqn.Progress, "__call__", hang_up)
+    with pytest.raises(SystemExit) as exit_info:  # 3 blocks: stopped after the second
+        dqn.main([*TINY_ARGS, "--total-timesteps", "1500", "--output-dir", str(stopped)])
+    err = capsys.readouterr().err
     hint = shlex.join(["python", dqn.__file__, "--resume", str(stopped)])
-    assert rest.strip().splitlines()[-1].endswith(f"to go on: {hint}"), rest
+    assert exit_info.value.code == 129 and err.strip().endswith(f"to go on: {hint}"), err
     assert (stopped / dqn.CHECKPOINT).exists()
 
 
@@ -1082,15 +1083,15 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
     --resume then ends with the very files of a run never stopped, bit for bit, drops the
     checkpoint and what --load wrote of the old params; a damaged copy of it is one line, and so
     is the folder while a run still holds it or this user cannot write to it (named by --resume).
-    Every run takes exactly 9,734 steps."""
+    Every run takes exactly 2,734 steps."""
     stopped, whole = tmp_path / "stopped run", tmp_path / "whole"
     argv = [dqn.__file__, *RESUME_ARGS, "--output-dir", str(stopped)]
-    code, printed = run_and_interrupt(argv, signal.SIGHUP, "10%")
+    code, printed = run_and_interrupt(argv, signal.SIGHUP, "%  train")  # the first block's line
     assert code == 129 and "Traceback" not in printed, printed
     hint = shlex.join(["python", os.path.relpath(dqn.__file__), "--resume", str(stopped)])
     assert printed.strip().splitlines()[-1].endswith(f"to go on: {hint}"), printed
     summary = json.loads((stopped / "summary.json").read_text())
-    assert 0 < summary["steps_done"] < 9_734 and summary["steps_done"] % 500 == 0
+    assert 0 < summary["steps_done"] < 2_734 and summary["steps_done"] % 500 == 0
     assert (stopped / dqn.CHECKPOINT).exists() and (stopped / "learning_curves.png").exists()
     with np.load(stopped / dqn.CHECKPOINT) as file:
         arrays = dict(file)
@@ -1120,7 +1121,7 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
     assert not (stopped / dqn.CHECKPOINT).exists()
     lines = (whole / "curves.csv").read_text().splitlines()
     steps = [int(row["step"]) for row in csv.DictReader(lines)]
-    assert steps[:21] == [*range(0, 9_501, 500), 9_734]
+    assert steps[:7] == [*range(0, 2_501, 500), 2_734]
 
 
 def test_curves_cut_short_are_refused_not_drawn(tmp_path):
