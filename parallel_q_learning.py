@@ -228,12 +228,12 @@ def epsilon_greedy(q_s: jax.Array, bits: jax.Array, threshold: jax.Array) -> jax
 
 
 def q_learning_update(q, cell, action, reward, terminated, reached, learning_rate, gamma):
-    """q[cell, action] += lr * (r + gamma * max_a' q[reached, a'] - q[cell, action]).
-
-    `reached` is the true next cell (never the reset cell), and a terminal step does not
-    bootstrap. A truncated step still does: a time limit is not a terminal state."""
+    """q[cell, action] += lr * (r + gamma * max_a' q[reached, a'] - q[cell, action]), as a .set:
+    an .add rounds differently under vmap (README). `reached` is the true next cell (never the
+    reset cell); a terminal step does not bootstrap, a truncated one does (a time limit is not
+    a terminal state)."""
     target = reward + gamma * jnp.where(terminated, 0.0, q[reached].max())
-    return q.at[cell, action].add(learning_rate * (target - q[cell, action]))
+    return q.at[cell, action].set(q[cell, action] + learning_rate * (target - q[cell, action]))
 
 
 def greedy_path_length(q: jax.Array, env: GridWorld) -> jax.Array:
