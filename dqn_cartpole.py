@@ -80,7 +80,7 @@ class Config:
         return tuple(b for b in ((0, full, self.eval_every), (full, 1, rest)) if b[1] and b[2])
 
     def __post_init__(self):
-        """Raise ValueError('--flag problem') for the first bad value."""
+        """Raise ValueError('--flag problem') for the first bad size or count (HParams: the CLI)."""
         positive = ("total_timesteps", "num_seeds", "buffer_size", "batch_size")
         positive += ("train_frequency", "target_update_interval", "eval_every", "eval_episodes")
         checks = [(name, getattr(self, name) >= 1, "must be >= 1") for name in positive]
@@ -141,8 +141,8 @@ class EnvParams:
 
 class CartPole:
     """Gymnasium's CartPole-v1 in JAX with gymnax 1.0's API: `step` returns (obs, state,
-    reward, terminated, truncated, info) and resets by itself when the episode ends, with the
-    observation that ended it in info["final_observation"]. Terminated (the pole fell or the
+    reward, terminated, truncated, info) and resets by itself when the episode ends; at every
+    step info["final_observation"] is the one before any reset. Terminated (the pole fell or the
     cart left) and truncated (500 steps) stay apart: only the first one is a terminal state."""
 
     num_actions = 2
@@ -191,7 +191,7 @@ class CartPole:
 def matmul(x: jax.Array, kernel: jax.Array):
     """x @ kernel in full float32, not TF32 (a GPU's default; it solved fewer seeds). Its backward
     takes x^T dy from a copy of x^T that the barrier keeps XLA from folding back: ~2x faster on a
-    CPU (README). Reverse mode only (no jax.jvp); nn.Dense's axes and precision are these anyway."""
+    CPU (README). Reverse mode only (no jax.jvp). Takes nn.Dense's axes, not its precision."""
 
     def backward(dy: jax.Array):
         x_t = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)
@@ -246,7 +246,7 @@ def buffer_init(capacity: int, obs_size: int) -> Buffer:
 
 
 def buffer_add(buffer: Buffer, transition: Transition) -> Buffer:
-    """Write one transition over the oldest slot."""
+    """Write one transition at the pointer: the next empty slot, or the oldest once full."""
     capacity = buffer.data.reward.shape[0]
     data = jax.tree.map(lambda d, x: d.at[buffer.pointer].set(x), buffer.data, transition)
     pointer = (buffer.pointer + 1) % capacity
@@ -289,7 +289,7 @@ def dqn_loss(params, target_params, apply_fn, batch: Transition, gamma: float, d
 
 
 def greedy_episodes(key, params, env, network: QNetwork, num_episodes: int, keep_obs=False):
-    """Returns [episodes] of fresh greedy (epsilon 0) episodes run side by side, each for the full
+    """The returns [episodes] of fresh greedy (epsilon 0) episodes side by side, each for the full
     time limit, steps after its end masked; `keep_obs`: also (obs, alive) [steps, episodes, ...]."""
     obs, state = jax.vmap(env.reset)(jax.random.split(key, num_episodes))  # [episodes, obs]
     max_steps = int(env.default_params.max_steps_in_episode)  # a float in gymnax's bandits

@@ -36,7 +36,7 @@ from jax import lax
 
 # ----- Config: every field is a command-line flag (--total-timesteps for total_timesteps) -----
 
-# The reference article's open 8x12 grid ('.' free, '#' wall, 'S' start, 'G' goal): the
+# Ryan Pégoud's article's (README) open 8x12 grid ('.' free, '#' wall, 'S' start, 'G' goal): the
 # shortest path takes 18 steps. --layout gives more maps, or reads a map file.
 DEFAULT_LAYOUT = "\n".join(["G..........."] + ["............"] * 6 + ["...........S"])
 
