@@ -1083,7 +1083,8 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
     --resume then ends with the very files of a run never stopped, bit for bit, drops the
     checkpoint and what --load wrote of the old params; a damaged copy of it is one line, and so
     is the folder while a run still holds it or this user cannot write to it (named by --resume).
-    Every run takes exactly 2,734 steps."""
+    So does a run killed past half way, from its --checkpoint-every checkpoint. Every run takes
+    exactly 2,734 steps."""
     stopped, whole = tmp_path / "stopped run", tmp_path / "whole"
     argv = [dqn.__file__, *RESUME_ARGS, "--output-dir", str(stopped)]
     code, printed = run_and_interrupt(argv, signal.SIGHUP, "%  train")  # the first block's line
@@ -1122,6 +1123,22 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
     lines = (whole / "curves.csv").read_text().splitlines()
     steps = [int(row["step"]) for row in csv.DictReader(lines)]
     assert steps[:7] == [*range(0, 2_501, 500), 2_734]
+    # A crash (kill -9) past half the run: --resume goes on from the checkpoint that
+    # --checkpoint-every 1000 saved at step 1,000, and ends as the whole run did.
+    crashed = tmp_path / "crashed"
+    argv = [sys.executable, "-u", dqn.__file__, *RESUME_ARGS, "--checkpoint-every", "1000"]
+    process = subprocess.Popen([*argv, "--output-dir", str(crashed)], stderr=subprocess.PIPE,
+                               stdout=subprocess.DEVNULL, text=True)  # fmt: skip
+    for line in process.stderr:  # progress lines: "  55%  train 0.9 s ...", every block
+        done = (line.split() or [""])[0]
+        if done.endswith("%") and int(done[:-1]) >= 50:
+            process.kill()
+            break
+    process.communicate(timeout=60)
+    assert (crashed / dqn.CHECKPOINT).exists() and not (crashed / "summary.json").exists()
+    dqn.main(["--resume", str(crashed)])
+    for name in ("params.msgpack", "curves.csv"):
+        assert (crashed / name).read_bytes() == (whole / name).read_bytes(), name
 
 
 def test_curves_cut_short_are_refused_not_drawn(tmp_path):

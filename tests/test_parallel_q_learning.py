@@ -471,12 +471,12 @@ def test_cli_happy_path(tmp_path):
 
 def test_seed_i_is_the_same_agent_whatever_num_seeds(tmp_path):
     """Seeds 0 and 1 of every grid point end with bit for bit the same Q-tables in a run of 3
-    seeds and one of 40 (other padding, other chunks)."""
+    seeds and one of 40 (other padding; one chunk a device, then 10 of about 16 agents each)."""
     tables = {}
-    for num_seeds in (3, 40):
+    for num_seeds, chunk in ((3, "0"), (40, "16")):
         output = tmp_path / str(num_seeds)
         pq.main(["--num-seeds", str(num_seeds), "--total-timesteps", "20000", "--output-dir",
-                 str(output)])  # fmt: skip
+                 str(output), "--agents-per-chunk", chunk])  # fmt: skip
         tables[num_seeds] = np.load(output / "q_tables.npy")[:, :2]
     np.testing.assert_array_equal(tables[3], tables[40])
 
