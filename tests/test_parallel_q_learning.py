@@ -185,6 +185,28 @@ def test_the_schedule_runs_exactly_total_timesteps(total):
     assert curve.curve.episodes.shape == (s.num_points,)
 
 
+@pytest.mark.parametrize("total", [99, 2_345])
+def test_train_steps_the_environment_exactly_total_timesteps(total):
+    """What the schedule says, train does: its GridWorld steps exactly total_timesteps times
+    (counted on the host, a callback per step), with few curve points or many."""
+    steps = []
+
+    class Counting(pq.GridWorld):
+        def step(self, key, state, action):
+            jax.debug.callback(lambda: steps.append(1))
+            return super().step(key, state, action)
+
+    for points in (3, 50):
+        config = pq.Config(total_timesteps=total, rng_block_steps=100, num_curve_points=points)
+        env = Counting(**dataclasses.asdict(pq.make_env(config.layout)))
+        steps.clear()
+        jax.block_until_ready(
+            jax.jit(pq.make_train(config, env))(jax.random.key(0), pq.HParams(0.1, 0.1, 0.9))
+        )
+        jax.effects_barrier()
+        assert len(steps) == total, points
+
+
 def test_memory_does_not_grow_with_total_timesteps():
     key, hparams = jax.random.key(0), pq.HParams(0.1, 0.1, 0.9)
     shapes = [
