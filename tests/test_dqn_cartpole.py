@@ -331,16 +331,17 @@ def test_memory_batches_seeds_when_they_do_not_fit(monkeypatch):
 
 @pytest.mark.cpu_devices
 def test_seed_i_is_the_same_agent_whatever_num_seeds():
-    """Seeds 0 and 1 train bit for bit the same agents in runs of 3 or 40 seeds: on a CPU every
-    run has the same batch width, padded, so a seed runs in the same lane of the same program
-    (3 seeds: one batch per device, mostly padding; 40 seeds: two batches per device)."""
+    """Seeds 0 and 1 train bit for bit the same agents in runs of 3 or 100 seeds: on a CPU every
+    run has the same batch width, padded, so a seed runs in the same lane of the same batch
+    program (3 seeds: two batches per device, mostly padding; 100 seeds: four)."""
     grid, need = dqn.hparam_grid([TINY.hparams()._asdict()]), bytes_per_seed(TINY)
     runs = {}
-    for num_seeds in (3, 40):
+    for num_seeds in (3, 100):
+        assert dqn.plan_seeds(num_seeds, need).padded_seeds == {3: 64, 100: 128}[num_seeds]
         plan = dqn.plan_seeds(num_seeds, need)
         out = train_all(dataclasses.replace(TINY, num_seeds=num_seeds), grid, plan)
         runs[num_seeds] = jax.tree.map(lambda x: np.asarray(x[:2]), out)
-    jax.tree.map(np.testing.assert_array_equal, runs[3], runs[40])
+    jax.tree.map(np.testing.assert_array_equal, runs[3], runs[100])
 
 
 @pytest.mark.cpu_devices
