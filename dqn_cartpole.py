@@ -80,7 +80,7 @@ class Config:
         return tuple(b for b in ((0, full, self.eval_every), (full, 1, rest)) if b[1] and b[2])
 
     def __post_init__(self):
-        """Raise ValueError('--flag problem') for the first bad size or count (HParams: the CLI)."""
+        """ValueError('--flag problem') for the first bad size or count; the CLI checks HParams."""
         positive = ("total_timesteps", "num_seeds", "buffer_size", "batch_size")
         positive += ("train_frequency", "target_update_interval", "eval_every", "eval_episodes")
         checks = [(name, getattr(self, name) >= 1, "must be >= 1") for name in positive]
@@ -191,7 +191,7 @@ class CartPole:
 def matmul(x: jax.Array, kernel: jax.Array):
     """x @ kernel in full float32, not TF32 (a GPU's default; it solved fewer seeds). Its backward
     takes x^T dy from a copy of x^T that the barrier keeps XLA from folding back: ~2x faster on a
-    CPU (README). Reverse mode only (no jax.jvp). Takes nn.Dense's axes, not its precision."""
+    CPU (README). Reverse mode only (no jax.jvp). QNetwork's Dense passes it x and kernel only."""
 
     def backward(dy: jax.Array):
         x_t = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)

@@ -36,8 +36,8 @@ from jax import lax
 
 # ----- Config: every field is a command-line flag (--total-timesteps for total_timesteps) -----
 
-# Ryan Pégoud's article's (README) open 8x12 grid ('.' free, '#' wall, 'S' start, 'G' goal): the
-# shortest path takes 18 steps. --layout gives more maps, or reads a map file.
+# The open 8x12 grid of R. Pégoud's "Vectorize and Parallelize RL Environments with JAX" ('.'
+# free, 'S' start, 'G' goal): the shortest path takes 18 steps. --layout gives more maps.
 DEFAULT_LAYOUT = "\n".join(["G..........."] + ["............"] * 6 + ["...........S"])
 
 

@@ -26,8 +26,8 @@ import numpy as np
 
 # ----- Config -----------------------------------------------------------------------------
 
-# Ryan Pégoud's article's open 8x12 grid (README), G top left and S bottom right ('.' free,
-# '#' wall): the shortest path takes 18 steps. The hyperparameters were chosen on it.
+# The open 8x12 grid of R. Pégoud's "Vectorize and Parallelize RL Environments with JAX", G top
+# left, S bottom right: the shortest path takes 18 steps. The hyperparameters were chosen on it.
 DEFAULT_LAYOUT = "\n".join(["G..........."] + ["............"] * 6 + ["...........S"])
 
 
@@ -51,7 +51,7 @@ class Config:
     output_dir: str = option("runs/q_learning_gridworld_{time}", "run folder; {time}: its start")
     max_episode_steps: int = option(0, "truncate an episode after this many steps (0: never)")
     # Large on purpose: one call to jax.random.bits has a fixed cost, which a large block
-    # spreads over many steps (README). ~24 bytes a step a seed in all: lower it for many seeds.
+    # spreads over many steps (README). check_memory allows 24 bytes a step a seed for it.
     steps_per_block: int = option(100_000, "steps whose random numbers are drawn in one call")
     num_curve_points: int = option(10, "points on the learning curve (at most one per block)")
     num_recorded_episodes: int = option(500, "the first episodes whose lengths are recorded")
@@ -198,7 +198,7 @@ def epsilon_greedy(q_s: jax.Array, bits: jax.Array, threshold: int) -> jax.Array
 
     With probability epsilon pick uniformly among all actions, otherwise uniformly among the
     best ones: distrax.EpsilonGreedy's distribution. Uniform tie-breaks matter at the start,
-    when all Q-values are equal: from a table of zeros, the first maximum would walk right forever.
+    when all Q-values are equal (with --initial-q 0, the first maximum would walk right forever).
     """
     explore = (bits & RANDOM_FIELD_MASK) < threshold
     candidates = explore | (q_s == q_s.max())  # [4] bool: the actions to choose among

@@ -337,8 +337,8 @@ def test_seed_i_is_the_same_agent_whatever_num_seeds():
     grid, need = dqn.hparam_grid([TINY.hparams()._asdict()]), bytes_per_seed(TINY)
     runs = {}
     for num_seeds in (3, 100):
-        assert dqn.plan_seeds(num_seeds, need).padded_seeds == {3: 64, 100: 128}[num_seeds]
         plan = dqn.plan_seeds(num_seeds, need)
+        assert (plan.padded_seeds, plan.seeds_per_batch) == ({3: 64, 100: 128}[num_seeds], 16)
         out = train_all(dataclasses.replace(TINY, num_seeds=num_seeds), grid, plan)
         runs[num_seeds] = jax.tree.map(lambda x: np.asarray(x[:2]), out)
     jax.tree.map(np.testing.assert_array_equal, runs[3], runs[100])
@@ -597,7 +597,7 @@ def test_process_0_alone_is_one_line_once_the_cluster_timeout_passes(tmp_path, c
 
 
 CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "2000"]  # 4 blocks, several gathers
-# Long enough for a process to be killed mid-training: 40 blocks (the same compiled programs).
+# Long enough for a process to be killed mid-training: 40 blocks.
 LONG_CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "20000"]
 
 
@@ -1051,8 +1051,8 @@ def run_and_interrupt(argv: list[str], signum: int, after: str) -> tuple[int, st
     return process.returncode, "".join(seen) + rest
 
 
-# TINY_ARGS' programs, compiled once for the suite: 5 blocks of 500 steps, then one of 234.
-RESUME_ARGS = [*TINY_ARGS, "--total-timesteps", "2734"]
+# 7 blocks of 500 steps, then one of 234: a stop after the first block has 6 to spare.
+RESUME_ARGS = [*TINY_ARGS, "--total-timesteps", "3734"]
 
 
 def test_the_line_to_go_on_when_the_current_folder_was_deleted(tmp_path, monkeypatch, capsys):
@@ -1085,7 +1085,7 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
     checkpoint and what --load wrote of the old params; a damaged copy of it is one line, and so
     is the folder while a run still holds it or this user cannot write to it (named by --resume).
     So does a run killed past half way, from its --checkpoint-every checkpoint. Every run takes
-    exactly 2,734 steps."""
+    exactly 3,734 steps."""
     stopped, whole = tmp_path / "stopped run", tmp_path / "whole"
     argv = [dqn.__file__, *RESUME_ARGS, "--output-dir", str(stopped)]
     code, printed = run_and_interrupt(argv, signal.SIGHUP, "%  train")  # the first block's line
@@ -1093,7 +1093,7 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
     hint = shlex.join(["python", os.path.relpath(dqn.__file__), "--resume", str(stopped)])
     assert printed.strip().splitlines()[-1].endswith(f"to go on: {hint}"), printed
     summary = json.loads((stopped / "summary.json").read_text())
-    assert 0 < summary["steps_done"] < 2_734 and summary["steps_done"] % 500 == 0
+    assert 0 < summary["steps_done"] < 3_734 and summary["steps_done"] % 500 == 0
     assert (stopped / dqn.CHECKPOINT).exists() and (stopped / "learning_curves.png").exists()
     with np.load(stopped / dqn.CHECKPOINT) as file:
         arrays = dict(file)
@@ -1123,20 +1123,25 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
     assert not (stopped / dqn.CHECKPOINT).exists()
     lines = (whole / "curves.csv").read_text().splitlines()
     steps = [int(row["step"]) for row in csv.DictReader(lines)]
-    assert steps[:7] == [*range(0, 2_501, 500), 2_734]
-    # A crash (kill -9) past half the run: --resume goes on from the checkpoint that
-    # --checkpoint-every 1000 saved at step 1,000, and ends as the whole run did.
+    assert steps[:9] == [*range(0, 3_501, 500), 3_734]
+    # A crash (kill -9) after step 1,500: --resume goes on from a checkpoint that
+    # --checkpoint-every 1000 saved (the default saves none this early), and ends as the whole
+    # run did.
     crashed = tmp_path / "crashed"
     argv = [sys.executable, "-u", dqn.__file__, *RESUME_ARGS, "--checkpoint-every", "1000"]
     process = subprocess.Popen([*argv, "--output-dir", str(crashed)], stderr=subprocess.PIPE,
                                stdout=subprocess.DEVNULL, text=True)  # fmt: skip
-    for line in process.stderr:  # progress lines: "  55%  train 0.9 s ...", every block
+    seen = []
+    for line in process.stderr:  # progress lines: "  40%  train 0.6 s ...", one a block
+        seen.append(line)
         done = (line.split() or [""])[0]
-        if done.endswith("%") and int(done[:-1]) >= 50:
+        if done.endswith("%") and int(done[:-1]) >= 40:  # 1,500 of 3,734 steps
             process.kill()
             break
-    process.communicate(timeout=60)
-    assert (crashed / dqn.CHECKPOINT).exists() and not (crashed / "summary.json").exists()
+    seen.append(process.communicate(timeout=60)[1])
+    with np.load(crashed / dqn.CHECKPOINT) as file:  # saved at a multiple of 1,000 steps
+        assert int(file["blocks_done"]) in (2, 4, 6), "".join(seen)
+    assert not (crashed / "summary.json").exists(), "".join(seen)
     dqn.main(["--resume", str(crashed)])
     for name in ("params.msgpack", "curves.csv"):
         assert (crashed / name).read_bytes() == (whole / name).read_bytes(), name
