@@ -198,7 +198,7 @@ def epsilon_greedy(q_s: jax.Array, bits: jax.Array, threshold: int) -> jax.Array
 
     With probability epsilon pick uniformly among all actions, otherwise uniformly among the
     best ones: distrax.EpsilonGreedy's distribution. Uniform tie-breaks matter at the start,
-    when all Q-values are equal (with --initial-q 0, the first maximum would walk right forever).
+    when all Q-values are equal (from initial_q 0, the first maximum would walk right forever).
     """
     explore = (bits & RANDOM_FIELD_MASK) < threshold
     candidates = explore | (q_s == q_s.max())  # [4] bool: the actions to choose among
