@@ -88,8 +88,11 @@ def test_parity_with_gymnasium_cartpole_v1():
     assert lengths[endings.index("truncated")] == 500
 
 
-def test_parity_with_gymnax_cartpole_v1():
-    """Same reset for the same key, then the same transitions as gymnax's CartPole-v1."""
+@pytest.mark.parametrize(("noise", "steps", "ending"), [(0.5, 300, "terminated"),
+                                                        (0.02, 1_100, "truncated")])  # fmt: skip
+def test_parity_with_gymnax_cartpole_v1(noise, steps, ending):
+    """Same reset for the same key, then the same transitions as gymnax's CartPole-v1: a noisy
+    policy that drops the pole, and a steady one that reaches the 500-step time limit twice."""
     ours, theirs = dqn.CartPole(), dqn.make_env("gymnax")
     key = jax.random.key(3)
     obs, state = ours.reset(key)
@@ -97,9 +100,9 @@ def test_parity_with_gymnax_cartpole_v1():
     np.testing.assert_allclose(obs, g_obs, atol=1e-6)
     step, g_step = jax.jit(ours.step), jax.jit(theirs.step)
     rng = np.random.default_rng(1)
-    seen_term = False
-    for t in range(300):
-        action = policy(np.asarray(g_obs), rng, noise=0.5)
+    endings = set()
+    for t in range(steps):
+        action = policy(np.asarray(g_obs), rng, noise=noise)
         k = jax.random.key(100 + t)
         state = set_state(
             state, [g_state.x, g_state.x_dot, g_state.theta, g_state.theta_dot], int(g_state.time)
@@ -114,8 +117,8 @@ def test_parity_with_gymnax_cartpole_v1():
             bool(g_term),
             bool(g_trunc),
         )
-        seen_term |= bool(g_term)
-    assert seen_term
+        endings |= {"terminated"} if g_term else {"truncated"} if g_trunc else set()
+    assert ending in endings
 
 
 # ---------------------------------------------------------------- replay buffer
