@@ -945,18 +945,17 @@ def save_run(output: Path, summary: dict, points: list, out: dict) -> None:
         file.write(flax.serialization.to_bytes(out["params"]))
 
 
-def save_checkpoint(output: Path, config: Config, points: list, done: int, carry, metrics) -> None:
+def save_checkpoint(output: Path, run: dict, done: int, carry, metrics) -> None:
     """CHECKPOINT: the whole training state of every agent after `done` blocks (params, target,
-    optimizer, buffer, environment, keys), the metrics so far, and the run's config and grid
-    points, in one file written atomically: all --resume needs."""
+    optimizer, buffer, environment, keys), the metrics so far, and the `run` (its config, grid
+    points and solved return), in one file written atomically: all --resume needs."""
     carry = gather(carry._replace(key=jax.random.key_data(carry.key)))  # every process joins
     if jax.process_index() > 0:
         return
-    run = json.dumps({"config": dataclasses.asdict(config), "points": points})
     arrays = {f"carry_{i}": x for i, x in enumerate(jax.tree.leaves(carry))}
     arrays |= {f"metrics_{name}": x for name, x in metrics.items()}
     with atomic_open(output / CHECKPOINT, "wb") as file:
-        np.savez(file, run=run, blocks_done=done, **arrays)
+        np.savez(file, run=json.dumps(run), blocks_done=done, **arrays)
 
 
 def saved_config(saved: dict) -> Config:
@@ -979,9 +978,9 @@ def saved_config(saved: dict) -> Config:
     return config
 
 
-def load_checkpoint(folder: str) -> tuple[Config, list, tuple]:
-    """(Config, grid points, (blocks done, carry leaves, metrics)) of a run that saved a
-    checkpoint; any problem is a one-line ValueError."""
+def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple]:
+    """(Config, grid points, solved return, (blocks done, carry leaves, metrics)) of a run that
+    saved a checkpoint; any problem is a one-line ValueError."""
     if (Path(folder) / "summary.json").exists() and not (Path(folder) / CHECKPOINT).exists():
         raise ValueError(
             f"--resume {folder}: its run has ended (only a stopped run has a checkpoint)"
@@ -1004,9 +1003,16 @@ def load_checkpoint(folder: str) -> tuple[Config, list, tuple]:
         too_few = min(agents) < len(run["points"]) * config.num_seeds
         if len(agents) > 1 or too_few or evals != {(done + 1,)}:
             raise ValueError("its arrays do not hold the same agents and blocks")
+        floats = all(metrics[name].dtype == np.float32 for name in CURVES[1:])
+        steps = np.arange(done + 1) * config.eval_every  # the blocks done are whole ones
+        if metrics["step"].dtype != np.int32 or not floats or (metrics["step"] != steps).any():
+            raise ValueError("its metrics are not its config's evaluations")
+        solved = run.get("solved_return")  # None: the env's own (and in older checkpoints)
+        if solved is not None and not (type(solved) in (int, float) and abs(solved) < 3.4e38):
+            raise ValueError(f"its solved return {solved!r} is not a finite float32")
     except Exception as error:
         raise ValueError(f"--resume {folder}: no checkpoint to resume from ({error})") from None
-    return config, run["points"], (done, leaves, metrics)
+    return config, run["points"], solved, (done, leaves, metrics)
 
 
 def read_curves(output: Path, summary: dict) -> dict[str, np.ndarray]:
@@ -1370,15 +1376,13 @@ def load_run(folder: str) -> tuple[Config, Any, list | None]:
 
 
 def check_params(params, network: QNetwork, env, folder: str, agents: int) -> None:
-    """ValueError unless `params` are one network's per agent (its names and shapes [agents, ...]),
-    as many as its summary says."""
+    """ValueError unless `params` are one network's per agent (its names, shapes [agents, ...] and
+    dtypes), as many as its summary says."""
     obs = jax.eval_shape(env.reset, jax.random.key(0))[0]
     shapes = jax.eval_shape(network.init, jax.random.key(0), obs)
-    wanted = [(jax.tree_util.keystr(k), x.shape) for k, x in jax.tree.leaves_with_path(shapes)]
-    saved = [
-        (jax.tree_util.keystr(k), np.shape(x)[1:]) for k, x in jax.tree.leaves_with_path(params)
-    ]
-    if wanted != saved:
+    wanted = jax.tree.map(lambda x: (x.shape, x.dtype), shapes)
+    saved = jax.tree.map(lambda x: (np.shape(x)[1:], np.asarray(x).dtype), params)
+    if wanted != saved:  # a dict of the same names and (shape, dtype) pairs
         raise ValueError(f"--load {folder}: its params.msgpack is not its own env's and network's")
     if {len(x) for x in jax.tree.leaves(params)} != {agents}:
         raise ValueError(f"--load {folder}: its params.msgpack does not hold its {agents} agents")
@@ -1438,7 +1442,8 @@ class StopRequest:
         return int(gather(signum).max()) if jax.process_count() > 1 else int(signum[0])
 
 
-def run_training(config, points, env, network, plan, env_id, output, checkpoint_every, start=None):
+def run_training(config, points, env, network, plan, environment, output, checkpoint_every,
+                 start=None):  # fmt: skip
     """Train every agent (grid point x seed), saving a checkpoint every `checkpoint_every` steps
     (0: never) and when asked to stop -> (output, padding dropped; timings; the signal that
     stopped the run early, or None)."""
@@ -1448,11 +1453,13 @@ def run_training(config, points, env, network, plan, env_id, output, checkpoint_
     memory = f"~{plan.bytes_per_seed * plan.seeds_per_batch / 2**20:.0f} MiB per device"
     grid_text = f"{plural(num_points, 'grid point')} x " if num_points > 1 else ""
     print(
-        f"{env_id}: {grid_text}{plural(config.num_seeds, 'seed')} x {config.total_timesteps} "
-        f"steps on {devices}, {plan.seeds_per_batch} at once per device (padded to "
-        f"{plan.padded_seeds}, {memory})"
+        f"{environment['id']}: {grid_text}{plural(config.num_seeds, 'seed')} x "
+        f"{config.total_timesteps} steps on {devices}, {plan.seeds_per_batch} at once per device "
+        f"(padded to {plan.padded_seeds}, {memory})"
     )
     first = saved = 0 if start is None else int(start[2]["step"][0, -1])
+    run = {"config": dataclasses.asdict(config), "points": points}
+    run["solved_return"] = environment["solved_return"]
     progress = Progress(num_agents, first, config.total_timesteps)
     timings = {"checkpoint_time_s": 0.0}
     with StopRequest() as stop:
@@ -1464,7 +1471,7 @@ def run_training(config, points, env, network, plan, env_id, output, checkpoint_
             due = checkpoint_every and steps - saved >= checkpoint_every
             if (stopping or due) and steps < config.total_timesteps:  # an ended run has no use
                 clock = time.perf_counter()
-                save_checkpoint(output, config, points, done, carry, metrics)
+                save_checkpoint(output, run, done, carry, metrics)
                 timings["checkpoint_time_s"] += time.perf_counter() - clock
                 saved = steps
             if stopping:
@@ -1497,16 +1504,19 @@ def parse_command(argv: list[str] | None):
             raise ValueError(f"--{name} must name a run's folder")
     if args.solved_return is not None and not abs(args.solved_return) < 3.4e38:  # NaN too
         raise ValueError("--solved-return must be a finite float32")
-    # --replot and --resume take the saved run as it is: no other flag may change it.
-    others = [flag(name) for name in given]
-    others += [name for name in ("--replot", "--resume", "--load", "--render", "--overwrite") if
-               getattr(args, name[2:])]  # fmt: skip
-    for name, what in (("--replot", "redraws the saved run"), ("--resume", "continues the run")):
-        if getattr(args, name[2:]) and others != [name]:
-            rest = next(other for other in others if other != name)
-            raise ValueError(f"{name} {what} as it was saved; leave out {rest}")
-    if args.resume:
-        config, points, start = load_checkpoint(args.resume)
+    # --replot and --resume take the saved run as it is: no other flag may change it. --resume may
+    # say how often to save, and how the processes of a cluster meet.
+    defaults = vars(build_parser().parse_args([]))
+    others = [flag(name) for name, value in vars(args).items() if value != defaults[name]]
+    cluster = ("--coordinator-address", "--num-processes", "--process-id", "--cluster-timeout")
+    for name, what, free in (
+        ("--replot", "redraws the saved run", ()),
+        ("--resume", "continues the run", ("--checkpoint-every", *cluster)),
+    ):
+        if getattr(args, name[2:]) and (rest := [f for f in others if f not in (name, *free)]):
+            raise ValueError(f"{name} {what} as it was saved; leave out {rest[0]}")
+    if args.resume:  # the run's own threshold too
+        config, points, args.solved_return, start = load_checkpoint(args.resume)
         return args, config, points, None, start
     lists = {
         name: given.pop(name, (value,)) for name, value in Config().hparams()._asdict().items()
@@ -1607,16 +1617,17 @@ def clear_folder(folder: Path) -> None:
 
 
 def check_backend() -> None:
-    """JAX_PLATFORMS naming a platform this machine lacks fails at JAX's first use of a device,
-    with a traceback: one line instead, before any work."""
+    """JAX_PLATFORMS naming a platform this machine lacks, or XLA_FLAGS asking for no CPU device,
+    fails at JAX's first use of a device, with a traceback: one line instead, before any work."""
     try:
         jax.devices()
     except Exception as error:  # a RuntimeError, or an AssertionError for a missing cuda
-        if not os.environ.get("JAX_PLATFORMS"):  # not that: JAX's own error, as it is
+        given = [f"{name}={os.environ[name]!r}" for name in ("JAX_PLATFORMS", "XLA_FLAGS") if
+                 os.environ.get(name)]  # fmt: skip
+        if not given:  # neither: JAX's own error, as it is
             raise
         detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-        platforms = os.environ.get("JAX_PLATFORMS")
-        raise ValueError(f"JAX_PLATFORMS={platforms!r}: no JAX backend ({detail})") from None
+        raise ValueError(f"{', '.join(given)}: no JAX backend ({detail})") from None
 
 
 def remove_if_empty(folder: Path) -> None:
@@ -1723,9 +1734,8 @@ def main(argv: list[str] | None = None) -> None:
             raise
         extra, stopped = {}, None
     else:
-        out, extra, stopped = run_training(
-            config, points, env, network, plan, env_id, output, args.checkpoint_every, checkpoint
-        )
+        out, extra, stopped = run_training(config, points, env, network, plan, environment,
+                                           output, args.checkpoint_every, checkpoint)  # fmt: skip
     with written_whole():  # from here, a signal waits until the run is written
         if args.load:
             results = [scores(r, solved, config.seed) for r in returns.reshape(len(points), -1)]
@@ -1815,6 +1825,22 @@ def stop(signum, frame):
     raise Stopped(signum)
 
 
+def raise_again(unraisable) -> None:
+    """sys.unraisablehook: Python prints and drops an exception raised in a garbage-collector
+    callback (JAX has one), so a Ctrl-C or SIGTERM handled there would be lost and the run go on.
+    Such a signal's exception is raised again 10 ms later, from a timer (again if it lands in a
+    callback again)."""
+    error = unraisable.exc_value
+    if not isinstance(error, KeyboardInterrupt | Stopped):
+        return sys.__unraisablehook__(unraisable)
+
+    def again(signum, frame):
+        raise error
+
+    signal.signal(signal.SIGALRM, again)
+    signal.setitimer(signal.ITIMER_REAL, 0.01)
+
+
 def rank(argv: list[str]) -> int:
     """This process's place in a cluster (0 alone): --process-id, or a SLURM / Open MPI rank."""
     flags = argparse.ArgumentParser(add_help=False)
@@ -1865,6 +1891,7 @@ if __name__ == "__main__":
     for signum in catchable():  # nohup's SIGHUP stays ignored; Ctrl-C keeps Python's own
         if signum != signal.SIGINT:
             signal.signal(signum, stop)
+    sys.unraisablehook = raise_again
     # Figures go to files, with Agg: a notebook's `!python` passes on its own MPLBACKEND, which
     # may not load here (matplotlib would not even import). Set here, not for an importer.
     os.environ["MPLBACKEND"] = "Agg"

@@ -1004,15 +1004,17 @@ def clear_folder(folder: Path) -> None:
 
 
 def check_backend() -> None:
-    """JAX_PLATFORMS naming a platform this machine lacks fails at JAX's first use of a device,
-    with a traceback: one line instead, before any work."""
+    """JAX_PLATFORMS naming a platform this machine lacks, or XLA_FLAGS asking for no CPU device,
+    fails at JAX's first use of a device, with a traceback: one line instead, before any work."""
     try:
         jax.devices()
     except Exception as error:  # a RuntimeError, or an AssertionError for a missing cuda
-        if not os.environ.get("JAX_PLATFORMS"):  # not that: JAX's own error, as it is
+        given = [f"{name}={os.environ[name]!r}" for name in ("JAX_PLATFORMS", "XLA_FLAGS") if
+                 os.environ.get(name)]  # fmt: skip
+        if not given:  # neither: JAX's own error, as it is
             raise
         detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-        fail(f"JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}: no JAX backend ({detail})")
+        fail(f"{', '.join(given)}: no JAX backend ({detail})")
 
 
 def remove_if_empty(folder: Path) -> None:
@@ -1271,6 +1273,22 @@ def stop(signum, frame):
     raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
 
 
+def raise_again(unraisable) -> None:
+    """sys.unraisablehook: Python prints and drops an exception raised in a garbage-collector
+    callback (JAX has one), so a Ctrl-C or SIGTERM handled there would be lost and the run go on.
+    Such a signal's exception is raised again 10 ms later, from a timer (again if it lands in a
+    callback again)."""
+    error = unraisable.exc_value
+    if not isinstance(error, KeyboardInterrupt | Stopped):
+        return sys.__unraisablehook__(unraisable)
+
+    def again(signum, frame):
+        raise error
+
+    signal.signal(signal.SIGALRM, again)
+    signal.setitimer(signal.ITIMER_REAL, 0.01)
+
+
 def rank(argv: list[str]) -> int:
     """This process's place in a cluster (0 alone): --process-id, or a SLURM / Open MPI rank."""
     flags = argparse.ArgumentParser(add_help=False)
@@ -1320,6 +1338,7 @@ if __name__ == "__main__":
         sys.exit(watch(sys.argv[1:]))
     for signum in catchable():  # nohup's SIGHUP stays ignored
         signal.signal(signum, stop)
+    sys.unraisablehook = raise_again
     # JAX logs an exception raised in a callback, with its traceback: not a signal's (main
     # prints its one line).
     logging.getLogger("jax._src.debugging").addFilter(

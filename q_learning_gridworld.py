@@ -870,15 +870,17 @@ def clear_folder(folder: Path) -> None:
 
 
 def check_backend() -> None:
-    """JAX_PLATFORMS naming a platform this machine lacks fails at JAX's first use of a device,
-    with a traceback: one line instead, before any work."""
+    """JAX_PLATFORMS naming a platform this machine lacks, or XLA_FLAGS asking for no CPU device,
+    fails at JAX's first use of a device, with a traceback: one line instead, before any work."""
     try:
         jax.devices()
     except Exception as error:  # a RuntimeError, or an AssertionError for a missing cuda
-        if not os.environ.get("JAX_PLATFORMS"):  # not that: JAX's own error, as it is
+        given = [f"{name}={os.environ[name]!r}" for name in ("JAX_PLATFORMS", "XLA_FLAGS") if
+                 os.environ.get(name)]  # fmt: skip
+        if not given:  # neither: JAX's own error, as it is
             raise
         detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-        fail(f"JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r}: no JAX backend ({detail})")
+        fail(f"{', '.join(given)}: no JAX backend ({detail})")
 
 
 def remove_if_empty(folder: Path) -> None:
@@ -986,10 +988,27 @@ def stop(signum, frame):
     raise Stopped(signum)
 
 
+def raise_again(unraisable) -> None:
+    """sys.unraisablehook: Python prints and drops an exception raised in a garbage-collector
+    callback (JAX has one), so a Ctrl-C or SIGTERM handled there would be lost and the run go on.
+    Such a signal's exception is raised again 10 ms later, from a timer (again if it lands in a
+    callback again)."""
+    error = unraisable.exc_value
+    if not isinstance(error, KeyboardInterrupt | Stopped):
+        return sys.__unraisablehook__(unraisable)
+
+    def again(signum, frame):
+        raise error
+
+    signal.signal(signal.SIGALRM, again)
+    signal.setitimer(signal.ITIMER_REAL, 0.01)
+
+
 if __name__ == "__main__":
     for signum in catchable():  # nohup's SIGHUP stays ignored; Ctrl-C keeps Python's own
         if signum != signal.SIGINT:
             signal.signal(signum, stop)
+    sys.unraisablehook = raise_again
     # Figures go to files, with Agg: a notebook's `!python` passes on its own MPLBACKEND, which
     # may not load here (matplotlib would not even import). Set here, not for an importer.
     os.environ["MPLBACKEND"] = "Agg"

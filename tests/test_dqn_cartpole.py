@@ -1084,13 +1084,14 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
     """A closed terminal (SIGHUP; Ctrl-C and SIGTERM alike) mid-training: the block in progress
     ends, the run so far is saved (summary, curves, params, figure and a checkpoint of the whole
     training state), one line says how to go on, to paste into a shell, exit 129, no traceback.
-    --resume then ends with the very files of a run never stopped, bit for bit, drops the
-    checkpoint and what --load wrote of the old params; a damaged copy of it is one line, and so
-    is the folder while a run still holds it or this user cannot write to it (named by --resume).
+    --resume then ends with the very files of a run never stopped, bit for bit, judged by the
+    run's own --solved-return, drops the checkpoint and what --load wrote of the old params; a
+    damaged copy of it is one line, and so is the folder while a run still holds it or this user
+    cannot write to it (named by --resume).
     So does a run killed past half way, from its --checkpoint-every checkpoint. Every run takes
     exactly 3,734 steps."""
     stopped, whole = tmp_path / "stopped run", tmp_path / "whole"
-    argv = [dqn.__file__, *RESUME_ARGS, "--output-dir", str(stopped)]
+    argv = [dqn.__file__, *RESUME_ARGS, "--solved-return", "100", "--output-dir", str(stopped)]
     code, printed = run_and_interrupt(argv, signal.SIGHUP, "%  train")  # the first block's line
     assert code == 129 and "Traceback" not in printed, printed
     hint = shlex.join(["python", os.path.relpath(dqn.__file__), "--resume", str(stopped)])
@@ -1120,6 +1121,8 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
         (stopped / name).write_text("{}")
     dqn.main(["--resume", str(stopped)])
     assert not any((stopped / name).exists() for name in ("load_summary.json", "render.gif"))
+    summary = json.loads((stopped / "summary.json").read_text())  # the run's own threshold
+    assert summary["environment"]["solved_return"] == 100 and "(>= 100)" in capsys.readouterr().out
     dqn.main([*RESUME_ARGS, "--output-dir", str(whole)])
     for name in ("params.msgpack", "curves.csv"):
         assert (stopped / name).read_bytes() == (whole / name).read_bytes(), name
@@ -1161,18 +1164,24 @@ def test_curves_cut_short_are_refused_not_drawn(tmp_path):
         dqn.read_curves(tmp_path, summary)
 
 
-def test_load_refuses_params_of_fewer_agents_than_the_summary_says(tmp_path, capsys):
+def test_load_refuses_params_of_other_agents_than_the_summary_says(tmp_path, capsys):
+    """One seed short, or the network's names and shapes in another dtype (complex params ended
+    in a traceback, float64 ones were evaluated as they came)."""
     network = dqn.QNetwork(TINY.hidden_sizes, 2, TINY.layer_norm)
     init = jax.vmap(lambda key: network.init(key, jnp.zeros(4)))
-    params = init(jax.random.split(jax.random.key(0), TINY.num_seeds - 1))  # one seed short
-    (tmp_path / "params.msgpack").write_bytes(flax.serialization.msgpack_serialize(params))
+    params = init(jax.random.split(jax.random.key(0), TINY.num_seeds))
     config = dataclasses.asdict(TINY) | {"output_dir": str(tmp_path)}
     (tmp_path / "summary.json").write_text(json.dumps({"config": config}))
     (tmp_path / "curves.csv").write_text("seed,step\n")
-    with pytest.raises(SystemExit) as exit_info:
-        dqn.main(["--load", str(tmp_path)])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(err) == 1 and f"its {TINY.num_seeds} agents" in err[0]
+    for saved, problem in (
+        (jax.tree.map(lambda x: x[1:], params), f"does not hold its {TINY.num_seeds} agents"),
+        (jax.tree.map(lambda x: np.asarray(x, np.complex64), params), "not its own env's"),
+    ):
+        (tmp_path / "params.msgpack").write_bytes(flax.serialization.msgpack_serialize(saved))
+        with pytest.raises(SystemExit) as exit_info:
+            dqn.main(["--load", str(tmp_path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and len(err) == 1 and problem in err[0], err
 
 
 def test_a_saved_config_of_other_types_is_refused_as_it_is_read(tmp_path, capsys):
@@ -1251,6 +1260,11 @@ def test_resume_and_replot_refuse_other_flags_and_a_folder_without_a_checkpoint(
         (["--resume", str(tmp_path), "--overwrite"], "--overwrite"),
         (["--replot", str(tmp_path), "--total-timesteps", "5"], "leave out --total-timesteps"),
         (["--replot", str(tmp_path), "--load", str(tmp_path)], "leave out --load"),
+        (["--replot", str(tmp_path), "--solved-return", "100"], "leave out --solved-return"),
+        (["--replot", str(tmp_path), "--cluster-timeout", "5"], "leave out --cluster-timeout"),
+        (["--resume", str(tmp_path), "--solved-return", "100"], "leave out --solved-return"),
+        # how often to save, and a cluster's flags, are this command's: on to the checkpoint
+        (["--resume", str(tmp_path), "--checkpoint-every", "7"], "no checkpoint to resume"),
         (["--resume", str(tmp_path / "finished")], "its run has ended"),
     ]:
         (tmp_path / "finished").mkdir(exist_ok=True)
@@ -1262,19 +1276,39 @@ def test_resume_and_replot_refuse_other_flags_and_a_folder_without_a_checkpoint(
 
 
 def test_a_checkpoint_that_does_not_hold_together_is_one_line(tmp_path):
+    """Refused as --resume reads it, before any training: a hand-edited or damaged checkpoint
+    (one whose metrics are strings, or NaN, or of another --eval-every, went on to train and
+    then failed, or wrote a run whose steps went backwards)."""
     config = dataclasses.asdict(dqn.Config())
     point = dqn.Config().hparams()._asdict()
-    seeds = config["num_seeds"]
-    for points, done, evals in (
-        ([], 0, 1),
-        ([point], 10**6, 1),
-        ([{"gamma": 0.9}], 0, 1),
-        ([point], -1, 1),
-        ([point], 1, 1),  # one block done, but metrics of step 0 only
+    seeds, every = config["num_seeds"], config["eval_every"]
+
+    def metrics(done=2, step=np.int32, returns=np.float32):  # as a run saves them
+        arrays = {name: np.zeros((seeds, done + 1), returns) for name in dqn.CURVES}
+        return arrays | {"step": np.tile(np.arange(done + 1) * every, (seeds, 1)).astype(step)}
+
+    def checkpoint(points=(point,), done=2, arrays=None, **run):
+        run = json.dumps({"config": config, "points": list(points)} | run)
+        arrays = metrics(done) if arrays is None else arrays
+        np.savez(tmp_path / dqn.CHECKPOINT, run=run, blocks_done=done,
+                 **{f"metrics_{name}": x for name, x in arrays.items()})  # fmt: skip
+        return str(tmp_path)
+
+    assert dqn.load_checkpoint(checkpoint(solved_return=100.0))[2] == 100.0
+    assert dqn.load_checkpoint(checkpoint())[2] is None  # the env's own
+    edited = metrics() | {"step": metrics()["step"] * 3 // 5}  # saved with --eval-every 300
+    for path in (
+        checkpoint(points=[]),
+        checkpoint(done=10**6),
+        checkpoint(points=[{"gamma": 0.9}]),
+        checkpoint(done=-1),
+        checkpoint(done=1, arrays=metrics(0)),  # one block done, but metrics of step 0 only
+        checkpoint(arrays=metrics() | {"step": metrics(step=np.float32)["step"] * np.nan}),
+        checkpoint(arrays=metrics(step=str)),
+        checkpoint(arrays=metrics(returns=str)),
+        checkpoint(arrays=edited),
+        checkpoint(solved_return="yes"),
+        checkpoint(solved_return=1e39),
     ):
-        run = json.dumps({"config": config, "points": points})
-        np.savez(tmp_path / dqn.CHECKPOINT, run=run, blocks_done=done, **{
-            f"metrics_{name}": np.zeros((seeds, evals)) for name in dqn.CURVES
-        })  # fmt: skip
         with pytest.raises(ValueError, match="no checkpoint to resume from"):
-            dqn.load_checkpoint(str(tmp_path))
+            dqn.load_checkpoint(path)

@@ -152,18 +152,49 @@ def test_replot_of_a_damaged_run_is_one_line(script, tmp_path, capsys):
 NO_GPU = pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU may be here")
 
 
-@pytest.mark.parametrize("platform", ["nosuchplatform", pytest.param("cuda", marks=NO_GPU)])
-def test_a_jax_platform_this_machine_lacks_is_one_line(script, tmp_path, platform):
+@pytest.mark.parametrize(
+    "variable, value",
+    [
+        ("JAX_PLATFORMS", "nosuchplatform"),
+        pytest.param("JAX_PLATFORMS", "cuda", marks=NO_GPU),
+        ("XLA_FLAGS", "--xla_force_host_platform_device_count=0"),  # no CPU device
+    ],
+)
+def test_a_jax_platform_this_machine_lacks_is_one_line(script, tmp_path, variable, value):
     output = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, script.__file__, "--output-dir", str(output)],
         capture_output=True,
         text=True,
-        env={**os.environ, "JAX_PLATFORMS": platform},
+        env={**os.environ, "JAX_PLATFORMS": "cpu", variable: value},
     )
     err = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(err) == 1, err
-    assert f"JAX_PLATFORMS={platform!r}: " in err[0]
+    assert f"{variable}={value!r}" in err[0], err
+    assert not output.exists()
+
+
+def test_a_signal_handled_in_a_garbage_collector_callback_still_stops_the_run(script, tmp_path):
+    """Python prints and drops an exception raised in a garbage-collector callback (JAX has one):
+    a Ctrl-C or SIGTERM that arrived while one ran was lost, and the run went on to its end (exit
+    0). Here the signal is sent from such a callback, once the script's handlers are in place."""
+    signum = signal.SIGINT if script is q_learning_gridworld else signal.SIGTERM
+    output = tmp_path / "run"
+    argv = [script.__file__, *shlex.split(SHORT_RUNS[script]), "--output-dir", str(output)]
+    code = f"""import gc, os, runpy, signal, sys
+def send(phase, info):
+    if getattr(signal.getsignal(signal.SIGTERM), "__name__", "") == "stop" and not sent:
+        sent.append(os.getpid())
+        os.kill(os.getpid(), {int(signum)})  # its handler runs here, in the callback
+sent = []
+gc.callbacks.append(send)
+sys.argv = {argv!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 128 + signum and len(err) == 1, err
+    assert f"stopped by {script.SIGNALS[signum]}" in err[0]
     assert not output.exists()
 
 
