@@ -599,7 +599,6 @@ def test_process_0_alone_is_one_line_once_the_cluster_timeout_passes(tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
-CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "2000"]  # 4 blocks, several gathers
 # Long enough for a process to be killed mid-training: 40 blocks.
 LONG_CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "20000"]
 
@@ -628,9 +627,10 @@ def launch_cluster(tmp_path, argv: list[str], only_1=()) -> list[subprocess.Pope
 def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
     """Two processes on 127.0.0.1, one CPU device each, form one JAX cluster: the seeds are
     sharded over both, only process 0 writes, both exit 0, and every agent is bit for bit the
-    one a single process with two devices trains."""
-    dqn.main([*CLUSTER_ARGS, "--output-dir", str(tmp_path / "single")])
-    processes = launch_cluster(tmp_path, CLUSTER_ARGS)
+    one a single process with two devices trains (TINY_ARGS: two blocks, a gather after each;
+    the single process's programs are those other tests compiled)."""
+    dqn.main([*TINY_ARGS, "--output-dir", str(tmp_path / "single")])
+    processes = launch_cluster(tmp_path, TINY_ARGS)
     results = [process.communicate(timeout=300) for process in processes]
     assert [process.returncode for process in processes] == [0, 0], results
     assert "2 cpu devices" in results[0][0] and "final greedy return" not in results[1][0]
