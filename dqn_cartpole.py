@@ -1003,9 +1003,10 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple]:
         too_few = min(agents) < len(run["points"]) * config.num_seeds
         if len(agents) > 1 or too_few or evals != {(done + 1,)}:
             raise ValueError("its arrays do not hold the same agents and blocks")
-        floats = all(metrics[name].dtype == np.float32 for name in CURVES[1:])
+        floats = all(np.issubdtype(metrics[name].dtype, np.floating) for name in CURVES[1:])
         steps = np.arange(done + 1) * config.eval_every  # the blocks done are whole ones
-        if metrics["step"].dtype != np.int32 or not floats or (metrics["step"] != steps).any():
+        ints = np.issubdtype(metrics["step"].dtype, np.integer)
+        if not (ints and floats) or (metrics["step"] != steps).any():
             raise ValueError("its metrics are not its config's evaluations")
         solved = run.get("solved_return")  # None: the env's own (and in older checkpoints)
         if solved is not None and not (type(solved) in (int, float) and abs(solved) < 3.4e38):
@@ -1827,17 +1828,16 @@ def stop(signum, frame):
 
 def raise_again(unraisable) -> None:
     """sys.unraisablehook: Python prints and drops an exception raised in a garbage-collector
-    callback (JAX has one), so a Ctrl-C or SIGTERM handled there would be lost and the run go on.
-    Such a signal's exception is raised again 10 ms later, from a timer (again if it lands in a
-    callback again)."""
+    callback (JAX has one), a __del__ or a weakref callback, so a Ctrl-C or SIGTERM whose handler
+    ran there would be lost and the run go on. Such a signal is sent again 10 ms later, from a
+    timer, to whatever handles it then (and again if it lands in such a callback again)."""
     error = unraisable.exc_value
     if not isinstance(error, KeyboardInterrupt | Stopped):
         return sys.__unraisablehook__(unraisable)
-
-    def again(signum, frame):
-        raise error
-
-    signal.signal(signal.SIGALRM, again)
+    signum = error.args[0] if isinstance(error, Stopped) else signal.SIGINT
+    if signal.getsignal(signum) is signal.SIG_IGN:  # stop() ignores it from its first call
+        signal.signal(signum, stop)
+    signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signum))
     signal.setitimer(signal.ITIMER_REAL, 0.01)
 
 
@@ -1888,10 +1888,10 @@ def watch(argv: list[str]) -> int:
 if __name__ == "__main__":
     if "DQN_CARTPOLE_WATCHED" not in os.environ and rank(sys.argv[1:]) > 0:
         sys.exit(watch(sys.argv[1:]))
+    sys.unraisablehook = raise_again  # before any handler that raises
     for signum in catchable():  # nohup's SIGHUP stays ignored; Ctrl-C keeps Python's own
         if signum != signal.SIGINT:
             signal.signal(signum, stop)
-    sys.unraisablehook = raise_again
     # Figures go to files, with Agg: a notebook's `!python` passes on its own MPLBACKEND, which
     # may not load here (matplotlib would not even import). Set here, not for an importer.
     os.environ["MPLBACKEND"] = "Agg"
@@ -1911,3 +1911,5 @@ if __name__ == "__main__":
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(128 + signum)  # now: not after the compiled call still running in the background
+    finally:  # the run has ended: a signal still to be sent again is dropped
+        signal.setitimer(signal.ITIMER_REAL, 0)

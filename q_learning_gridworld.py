@@ -990,25 +990,24 @@ def stop(signum, frame):
 
 def raise_again(unraisable) -> None:
     """sys.unraisablehook: Python prints and drops an exception raised in a garbage-collector
-    callback (JAX has one), so a Ctrl-C or SIGTERM handled there would be lost and the run go on.
-    Such a signal's exception is raised again 10 ms later, from a timer (again if it lands in a
-    callback again)."""
+    callback (JAX has one), a __del__ or a weakref callback, so a Ctrl-C or SIGTERM whose handler
+    ran there would be lost and the run go on. Such a signal is sent again 10 ms later, from a
+    timer, to whatever handles it then (and again if it lands in such a callback again)."""
     error = unraisable.exc_value
     if not isinstance(error, KeyboardInterrupt | Stopped):
         return sys.__unraisablehook__(unraisable)
-
-    def again(signum, frame):
-        raise error
-
-    signal.signal(signal.SIGALRM, again)
+    signum = error.args[0] if isinstance(error, Stopped) else signal.SIGINT
+    if signal.getsignal(signum) is signal.SIG_IGN:  # stop() ignores it from its first call
+        signal.signal(signum, stop)
+    signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signum))
     signal.setitimer(signal.ITIMER_REAL, 0.01)
 
 
 if __name__ == "__main__":
+    sys.unraisablehook = raise_again  # before any handler that raises
     for signum in catchable():  # nohup's SIGHUP stays ignored; Ctrl-C keeps Python's own
         if signum != signal.SIGINT:
             signal.signal(signum, stop)
-    sys.unraisablehook = raise_again
     # Figures go to files, with Agg: a notebook's `!python` passes on its own MPLBACKEND, which
     # may not load here (matplotlib would not even import). Set here, not for an importer.
     os.environ["MPLBACKEND"] = "Agg"
@@ -1026,3 +1025,5 @@ if __name__ == "__main__":
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(128 + signum)  # now: not after the compiled call still running in the background
+    finally:  # the run has ended: a signal still to be sent again is dropped
+        signal.setitimer(signal.ITIMER_REAL, 0)

@@ -178,6 +178,7 @@ def test_a_signal_handled_in_a_garbage_collector_callback_still_stops_the_run(sc
     """Python prints and drops an exception raised in a garbage-collector callback (JAX has one):
     a Ctrl-C or SIGTERM that arrived while one ran was lost, and the run went on to its end (exit
     0). Here the signal is sent from such a callback, once the script's handlers are in place."""
+    # Ctrl-C (Python's KeyboardInterrupt) in one script, SIGTERM (the scripts' own stop()) in two
     signum = signal.SIGINT if script is q_learning_gridworld else signal.SIGTERM
     output = tmp_path / "run"
     argv = [script.__file__, *shlex.split(SHORT_RUNS[script]), "--output-dir", str(output)]
@@ -191,7 +192,9 @@ gc.callbacks.append(send)
 sys.argv = {argv!r}
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
     err = result.stderr.strip().splitlines()
     assert result.returncode == 128 + signum and len(err) == 1, err
     assert f"stopped by {script.SIGNALS[signum]}" in err[0]
