@@ -1814,9 +1814,10 @@ class BestEffortStream:
             os.close(null)
 
 
-class Stopped(Exception):
+class Stopped(BaseException):
     """SIGTERM or SIGHUP (a closed terminal), raised in the main thread as Ctrl-C raises
-    KeyboardInterrupt; args[0] is the signal."""
+    KeyboardInterrupt; args[0] is the signal. A BaseException, as KeyboardInterrupt is: an
+    `except Exception` (JAX has some) must not swallow it."""
 
 
 def stop(signum, frame):
