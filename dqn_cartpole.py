@@ -1827,7 +1827,7 @@ def stop(signum, frame):
     raise Stopped(signum)
 
 
-def raise_again(unraisable) -> None:
+def send_again(unraisable) -> None:
     """sys.unraisablehook: Python prints and drops an exception raised in a garbage-collector
     callback (JAX has one), a __del__ or a weakref callback, so a Ctrl-C or SIGTERM whose handler
     ran there would be lost and the run go on. Such a signal is sent again 10 ms later, from a
@@ -1889,7 +1889,7 @@ def watch(argv: list[str]) -> int:
 if __name__ == "__main__":
     if "DQN_CARTPOLE_WATCHED" not in os.environ and rank(sys.argv[1:]) > 0:
         sys.exit(watch(sys.argv[1:]))
-    sys.unraisablehook = raise_again  # before any handler that raises
+    sys.unraisablehook = send_again  # before any handler that raises
     for signum in catchable():  # nohup's SIGHUP stays ignored; Ctrl-C keeps Python's own
         if signum != signal.SIGINT:
             signal.signal(signum, stop)

@@ -1274,7 +1274,7 @@ def stop(signum, frame):
     raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
 
 
-def raise_again(unraisable) -> None:
+def send_again(unraisable) -> None:
     """sys.unraisablehook: Python prints and drops an exception raised in a garbage-collector
     callback (JAX has one), a __del__ or a weakref callback, so a Ctrl-C or SIGTERM whose handler
     ran there would be lost and the run go on. Such a signal is sent again 10 ms later, from a
@@ -1336,7 +1336,7 @@ def watch(argv: list[str]) -> int:
 if __name__ == "__main__":
     if "PARALLEL_Q_LEARNING_WATCHED" not in os.environ and rank(sys.argv[1:]) > 0:
         sys.exit(watch(sys.argv[1:]))
-    sys.unraisablehook = raise_again  # before any handler that raises
+    sys.unraisablehook = send_again  # before any handler that raises
     for signum in catchable():  # nohup's SIGHUP stays ignored
         signal.signal(signum, stop)
     # JAX logs an exception raised in a callback, with its traceback: not a signal's (main
