@@ -890,16 +890,24 @@ def temporary(path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def written_whole():
-    """Ctrl-C, SIGTERM and SIGHUP wait while a run's files are written, so that they are written
-    whole; one that came meanwhile then ends the script."""
+def signals_held():
+    """Ctrl-C, SIGTERM and SIGHUP wait until the block is done; yields the list of those that
+    came meanwhile."""
     caught = []
     held = {signum: signal.signal(signum, lambda n, _: caught.append(n)) for signum in catchable()}
     try:
-        yield
+        yield caught
     finally:
         for signum, handler in held.items():
             signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def written_whole():
+    """A run's files are written whole: a Ctrl-C, SIGTERM or SIGHUP that comes meanwhile waits,
+    then ends the script."""
+    with signals_held() as caught:
+        yield
     if caught:
         print(f"dqn_cartpole.py: stopped by {SIGNALS[caught[0]]} once the run was written whole",
               file=sys.stderr)  # fmt: skip
@@ -1619,16 +1627,21 @@ def clear_folder(folder: Path) -> None:
 
 def check_backend() -> None:
     """JAX_PLATFORMS naming a platform this machine lacks, or XLA_FLAGS asking for no CPU device,
-    fails at JAX's first use of a device, with a traceback: one line instead, before any work."""
-    try:
-        jax.devices()
-    except Exception as error:  # a RuntimeError, or an AssertionError for a missing cuda
-        given = [f"{name}={os.environ[name]!r}" for name in ("JAX_PLATFORMS", "XLA_FLAGS") if
-                 os.environ.get(name)]  # fmt: skip
-        if not given:  # neither: JAX's own error, as it is
-            raise
-        detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-        raise ValueError(f"{', '.join(given)}: no JAX backend ({detail})") from None
+    fails at JAX's first use of a device, with a traceback: one line instead, before any work.
+    That first use loads JAX's plugins (jax[cuda]'s takes seconds), and JAX drops whatever a
+    plugin's initialize() raises, a signal's exception too: a signal waits until it is done."""
+    with signals_held() as caught:
+        try:
+            jax.devices()
+        except Exception as error:  # a RuntimeError, or an AssertionError for a missing cuda
+            given = [f"{name}={os.environ[name]!r}" for name in ("JAX_PLATFORMS", "XLA_FLAGS") if
+                     os.environ.get(name)]  # fmt: skip
+            if not given:  # neither: JAX's own error, as it is
+                raise
+            detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+            raise ValueError(f"{', '.join(given)}: no JAX backend ({detail})") from None
+    if caught:  # now to the handler in place again, which stops the run as anywhere else
+        signal.raise_signal(caught[0])
 
 
 def remove_if_empty(folder: Path) -> None:

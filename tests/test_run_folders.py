@@ -195,10 +195,40 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
     )
+    assert_stopped_before_any_work(script, result, signum, output)
+
+
+def test_a_signal_while_jax_loads_its_plugins_still_stops_the_run(script, tmp_path):
+    """JAX's first use of a device loads its plugins (jax[cuda]'s takes seconds) and drops
+    whatever a plugin's initialize() raises: a Ctrl-C or SIGTERM that arrived then was lost (the
+    run went on to its end, exit 0; on a GPU, whose plugin it cut short, 'no JAX backend'). Here
+    a plugin of the test's own sends the signal while it loads."""
+    signum = signal.SIGINT if script is q_learning_gridworld else signal.SIGTERM
+    plugin = tmp_path / "plugins" / "jax_plugins" / "signal_on_load"
+    plugin.mkdir(parents=True)
+    (plugin / "__init__.py").write_text(
+        "import os\n\n\ndef initialize():\n"
+        f"    os.kill(os.getpid(), {int(signum)})\n"
+        "    sum(range(1000))  # its handler runs here, inside JAX's loop over plugins\n"
+    )
+    output = tmp_path / "run"
+    argv = [script.__file__, *shlex.split(SHORT_RUNS[script]), "--output-dir", str(output)]
+    paths = [str(plugin.parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
+    result = subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
+    )
+    assert_stopped_before_any_work(script, result, signum, output)
+
+
+def assert_stopped_before_any_work(script, result, signum, output):
     err = result.stderr.strip().splitlines()
     assert result.returncode == 128 + signum and len(err) == 1, err
     assert f"stopped by {script.SIGNALS[signum]}" in err[0]
-    assert not output.exists()
+    assert "compile" not in result.stdout and not output.exists()
 
 
 def test_an_output_folder_this_user_cannot_write_to_is_one_line(
