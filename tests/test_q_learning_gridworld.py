@@ -528,7 +528,7 @@ BAD_FLAGS = [
     (["--no-such-flag", "1"], "--no-such-flag"),
     (["--num-seeds", str(10**12)], "--num-seeds"),  # cannot fit in memory: refused up front
     # One seed too many: the line names the flag that drives the memory, not --num-seeds. 2 TB,
-    # refused on any machine (20 GB, refused here, began training on a GPU of 139 GB).
+    # refused on any machine (20 GB, refused here, was not on a GPU of 139 GB).
     (["--num-recorded-episodes", str(10**10)], "--num-recorded-episodes"),
     (["--total-timesteps", "2000000000", "--steps-per-block", "2000000000"], "--steps-per-block"),
     (["--total-timesteps", "1000", "--steps-per-block", str(2**31)], "--steps-per-block"),
