@@ -1014,7 +1014,7 @@ def clear_folder(folder: Path) -> None:
 def check_backend() -> None:
     """JAX_PLATFORMS naming a platform this machine lacks, or XLA_FLAGS asking for no CPU device,
     fails at JAX's first use of a device, with a traceback: one line instead, before any work.
-    That first use loads JAX's plugins (jax[cuda]'s takes seconds), and JAX drops whatever a
+    That first use loads JAX's plugins (jax[cuda]'s loads CUDA's libraries), and JAX drops what a
     plugin's initialize() raises, a signal's exception too: a signal waits until it is done."""
     with signals_held() as caught:
         try:

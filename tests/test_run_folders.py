@@ -199,7 +199,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def test_a_signal_while_jax_loads_its_plugins_still_stops_the_run(script, tmp_path):
-    """JAX's first use of a device loads its plugins (jax[cuda]'s takes seconds) and drops
+    """JAX's first use of a device loads its plugins (jax[cuda]'s loads CUDA's libraries) and drops
     whatever a plugin's initialize() raises: a Ctrl-C or SIGTERM that arrived then was lost (the
     run went on to its end, exit 0; on a GPU, whose plugin it cut short, 'no JAX backend'). Here
     a plugin of the test's own sends the signal while it loads."""
