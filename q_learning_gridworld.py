@@ -465,7 +465,7 @@ def check_memory(config: Config, env: GridWorld) -> None:
         "--steps-per-block": 4 * 6 * min(config.steps_per_block, config.total_timesteps),
         # On the device, then as rows of first_episodes.csv and points of the figure.
         "--num-recorded-episodes": 200 * config.num_recorded_episodes,
-        "--num-curve-points": 4 * 4 * config.num_curve_points,
+        "--num-curve-points": 4 * 4 * min(config.num_curve_points, count_blocks(config)),
     }
     stats = [device.memory_stats() or {} for device in jax.devices()]
     half_host = host_memory() / 2
@@ -553,8 +553,10 @@ def expected_episode_length(env: GridWorld, epsilon: float, gamma: float) -> flo
     learner's training episodes stay above the shortest path while it keeps exploring. None
     where it is not worth drawing: a map too large to iterate over cheaply, or a Q* of zeros
     at S (gamma 0, or gamma^(shortest - 1) below the value-iteration tolerance)."""
+    if env.num_cells > 10_000:
+        return None
     q = value_iteration(env, gamma)
-    if env.num_cells > 10_000 or not q[env.map.start].max():
+    if not q[env.map.start].max():
         return None
     best = np.isclose(q, q.max(axis=1, keepdims=True))
     policy = epsilon / NUM_ACTIONS + (1 - epsilon) * best / best.sum(axis=1, keepdims=True)

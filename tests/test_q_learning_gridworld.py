@@ -745,11 +745,22 @@ def test_seed_i_is_the_same_agent_whatever_num_seeds(tmp_path):
     np.testing.assert_array_equal(tables[3], tables[70])
 
 
-def test_too_many_curve_points_is_a_note_naming_the_flag(tmp_path, capsys):
-    argv = ["--total-timesteps", "300", "--steps-per-block", "100", "--num-curve-points", "7"]
+@pytest.mark.parametrize("asked", ["7", "1000000000"])
+def test_too_many_curve_points_is_a_note_naming_the_flag(tmp_path, capsys, asked):
+    """More points than blocks make one a block: a note, and the memory of those only (a
+    billion points asked for would be 16 GB)."""
+    argv = ["--total-timesteps", "300", "--steps-per-block", "100", "--num-curve-points", asked]
     qlg.main([*argv, "--output-dir", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "note: 3 curve points, not 7" in out and "--num-curve-points" in out
+    assert f"note: 3 curve points, not {asked}" in out and "--num-curve-points" in out
+
+
+def test_a_map_too_large_for_the_figures_line_skips_value_iteration(monkeypatch):
+    """The figure's line of a perfect learner's episode length is drawn for small maps only:
+    on a large one value iteration takes minutes, while Ctrl-C waits for the figure."""
+    env = qlg.GridWorld("S" + "." * 10_000 + "G")
+    monkeypatch.setattr(qlg, "value_iteration", lambda *args: pytest.fail("value iteration ran"))
+    assert qlg.expected_episode_length(env, epsilon=0.1, gamma=0.9) is None
 
 
 @pytest.mark.parametrize("gamma", ["0", "0.1"])
