@@ -1020,11 +1020,14 @@ def check_backend() -> None:
         try:
             jax.devices()
         except Exception as error:  # a RuntimeError, or an AssertionError for a missing cuda
+            detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+            if jax.distributed.is_initialized():  # the processes' device lists never all came
+                detail = detail.partition(" (you may need to uninstall")[0]  # JAX's plugin hint
+                fail(f"another process of the cluster stopped ({detail})", 1)
             given = [f"{name}={os.environ[name]!r}" for name in ("JAX_PLATFORMS", "XLA_FLAGS") if
                      os.environ.get(name)]  # fmt: skip
             if not given:  # neither: JAX's own error, as it is
                 raise
-            detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
             fail(f"{', '.join(given)}: no JAX backend ({detail})")
     if caught:  # now to the handler in place again, which stops the run as anywhere else
         signal.raise_signal(caught[0])
@@ -1089,9 +1092,16 @@ def join_cluster(coordinator_address, num_processes, process_id, cluster_timeout
     flags = (coordinator_address, num_processes, process_id)
     if not 1 <= cluster_timeout < 2**31:  # False for NaN; JAX takes int32 seconds
         fail(f"--cluster-timeout must be in [1, 2^31) seconds, got {cluster_timeout}")
-    # A process that dies is an error where the others next wait for it (the gather of the
-    # results), not an abort with a C++ stack trace in every other process.
-    recover = partial(jax.config.update, "jax_enable_recoverability", True)
+
+    def recover():
+        """A process that dies is an error where the others next wait for it (the gather of the
+        results), not an abort with a C++ stack trace in every other process; and a wait for the
+        processes' CPU device lists is --cluster-timeout (JAX's are 2 and 5 minutes)."""
+        jax.config.update("jax_enable_recoverability", True)
+        minutes = math.ceil(cluster_timeout / 60)  # JAX counts these in whole minutes
+        jax.config.update("jax_cpu_get_local_topology_timeout_minutes", minutes)
+        jax.config.update("jax_cpu_get_global_topology_timeout_minutes", minutes + 1)
+
     if all(value is None for value in flags):
         names = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
         tasks = [f"{name}={os.environ[name]}" for name in names if os.environ.get(name, "1") != "1"]

@@ -2,6 +2,7 @@
 vmap == single key, learning, command line. Tiny configs; compiled functions are
 shared through module-scoped fixtures to keep the file fast."""
 
+import argparse
 import csv
 import dataclasses
 import fcntl
@@ -939,6 +940,33 @@ def test_a_slurm_job_without_its_cluster_is_one_line(tmp_path):
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "SLURM_NTASKS=2" in result.stderr and "--coordinator-address" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_cluster_processes_whose_device_lists_never_all_come_are_one_line(monkeypatch):
+    """A process that stops between joining and JAX's first use of a device: the others wait for
+    its list of CPU devices --cluster-timeout rounded up to minutes (JAX's own waits are 2 and 5
+    minutes), then say so in one line, exit 1, not "no JAX backend" blaming XLA_FLAGS."""
+    updates = {}
+    monkeypatch.setattr(jax.config, "update", lambda name, value: updates.update({name: value}))
+    monkeypatch.setattr(dqn, "check_coordinator", lambda *args: None)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args, **kwargs: None)
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+
+    def devices():
+        raise RuntimeError("Unable to initialize backend 'cpu': INTERNAL: Getting local "
+                           "topologies failed: GetKeyValue() timed out (you may need to uninstall "
+                           "the failing plugin package)\nand more")  # fmt: skip
+
+    monkeypatch.setattr(jax, "devices", devices)
+    args = {"coordinator_address": "127.0.0.1:1234", "num_processes": 2, "process_id": 1}
+    dqn.join_cluster(argparse.Namespace(**args, cluster_timeout=90.0))
+    assert updates["jax_cpu_get_local_topology_timeout_minutes"] == 2
+    assert updates["jax_cpu_get_global_topology_timeout_minutes"] == 3
+    with pytest.raises(SystemExit) as stop:
+        dqn.check_backend()
+    line = "dqn_cartpole.py: error: another process of the cluster stopped (Unable to initialize"
+    assert str(stop.value.code).startswith(line) and "\n" not in stop.value.code
+    assert stop.value.code.endswith("GetKeyValue() timed out)")  # not JAX's hint on plugins
 
 
 def test_cli_output_dir_that_is_a_file_and_load_without_params(tmp_path, capsys):

@@ -435,6 +435,32 @@ def test_cli_refuses_bad_map_file_and_file_as_output_dir(tmp_path, capsys):
     assert not (tmp_path / "out").exists() and not_a_dir.read_text() == ""
 
 
+def test_cluster_processes_whose_device_lists_never_all_come_are_one_line(monkeypatch, capsys):
+    """A process that stops between joining and JAX's first use of a device: the others wait for
+    its list of CPU devices --cluster-timeout rounded up to minutes (JAX's own waits are 2 and 5
+    minutes), then say so in one line, exit 1, not "no JAX backend" blaming XLA_FLAGS."""
+    updates = {}
+    monkeypatch.setattr(jax.config, "update", lambda name, value: updates.update({name: value}))
+    monkeypatch.setattr(pq, "check_coordinator", lambda *args: None)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args, **kwargs: None)
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+
+    def devices():
+        raise RuntimeError("Unable to initialize backend 'cpu': INTERNAL: Getting local "
+                           "topologies failed: GetKeyValue() timed out (you may need to uninstall "
+                           "the failing plugin package)\nand more")  # fmt: skip
+
+    monkeypatch.setattr(jax, "devices", devices)
+    with pytest.raises(SystemExit) as stop:
+        pq.join_cluster("127.0.0.1:1234", 2, 1, cluster_timeout=90.0)
+    assert updates["jax_cpu_get_local_topology_timeout_minutes"] == 2
+    assert updates["jax_cpu_get_global_topology_timeout_minutes"] == 3
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err.count("\n") == 1, err
+    assert "error: another process of the cluster stopped (Unable to initialize" in err
+    assert err.endswith("GetKeyValue() timed out)\n")  # not JAX's hint on plugins
+
+
 def test_cli_error_in_a_fresh_process_has_no_traceback(tmp_path):
     output = tmp_path / "out"
     done = subprocess.run(
