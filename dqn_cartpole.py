@@ -19,14 +19,16 @@ Above the appendix line: that reference, complete on its own. Below: running it 
 import dataclasses
 import math
 import os
+import signal
 from functools import partial
 from typing import Any, NamedTuple
 
-# Every CPU core a JAX device, the seeds sharded over them, and a GPU run the same every time
-# (README: "On a GPU"); only when the user has not set XLA_FLAGS, and before jax is imported.
+# Unless XLA_FLAGS is set: each CPU core a JAX device, a GPU run the same every time (README).
 if "XLA_FLAGS" not in os.environ:
     cores = f"--xla_force_host_platform_device_count={os.cpu_count() or 1}"
     os.environ["XLA_FLAGS"] = f"{cores} --xla_gpu_deterministic_ops=true"
+if __name__ == "__main__":  # a Ctrl-C or SIGTERM while JAX loads waits for the handlers
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 
 import distrax
 import flax.linen as nn
@@ -140,10 +142,9 @@ class EnvParams:
 
 
 class CartPole:
-    """Gymnasium's CartPole-v1 in JAX with gymnax 1.0's API: `step` returns (obs, state,
-    reward, terminated, truncated, info) and resets by itself when the episode ends; at every
-    step info["final_observation"] is the one before any reset. Terminated (the pole fell or the
-    cart left) and truncated (500 steps) stay apart: only the first one is a terminal state."""
+    """Gymnasium's CartPole-v1 in JAX, gymnax 1.0's API: step -> (obs, state, reward, terminated,
+    truncated, info), auto-reset at an episode's end, info["final_observation"] the obs before it.
+    Terminated (the pole fell, the cart left) is a terminal state; truncated (500 steps) is not."""
 
     num_actions = 2
     default_params = EnvParams()
@@ -361,8 +362,7 @@ def make_blocks(config: Config, env, network: QNetwork):
         )
         buffer = buffer_add(carry.buffer, transition)
 
-        # The predicates below depend on the step count only, which is the same for every seed,
-        # so under vmap they stay real branches: the steps without an update cost no update.
+        # On t alone, the same for every seed: under vmap, real branches (no update, no cost).
         learning = t + 1 >= config.learning_starts
         updated = learning & ((t + 1) % config.train_frequency == 0)
         agent, loss = jax.lax.cond(updated, update, no_update, hp, carry.agent, buffer, sample_key)
@@ -460,7 +460,6 @@ import itertools
 import json
 import platform
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -772,7 +771,8 @@ def bootstrap_iqm(values: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray
     """Interquartile mean (the mean of the middle 50%: Agarwal et al. 2021) over seeds, axis
     0, with a 95% percentile-bootstrap CI that resamples seeds."""
     n = values.shape[0]
-    resampled = values[np.random.default_rng(seed).integers(0, n, size=(BOOTSTRAP_SAMPLES, n))]
+    rng = np.random.default_rng(seed % 2**64)  # --seed may be negative, numpy's may not
+    resampled = values[rng.integers(0, n, size=(BOOTSTRAP_SAMPLES, n))]
     low, high = np.percentile(iqm(resampled, axis=1), [2.5, 97.5], axis=0)
     return iqm(values, axis=0), low, high
 
@@ -1677,6 +1677,8 @@ def check_run(config: Config, output: Path, named_by: str = "--output-dir") -> N
     if first > config.total_timesteps:  # updates come at the multiples of train_frequency
         raise ValueError(f"--train-frequency: the first update would come at step {first:,}, "
                          "after --total-timesteps")  # fmt: skip
+    if jax.process_index() > 0:  # process 0 writes for the cluster
+        return
     try:  # the folder, or the nearest parent that exists, must be a writable folder
         existing = next(path for path in (output, *output.absolute().parents) if path.exists())
     except OSError as error:  # a name the OS refuses (too long, say)
@@ -1720,9 +1722,10 @@ def main(argv: list[str] | None = None) -> None:
             output, named_by = Path(args.resume), "--resume"
         elif args.load and args.output_dir is None:  # a loaded run's results go into that run
             output, named_by = Path(args.load), "--load"
-        else:
-            output = Path(run_folder(config.output_dir.replace("{env}", name), args.overwrite))
-            named_by = "--output-dir"
+        else:  # process 0 writes for the cluster: the others' folder is not used
+            output, named_by = Path(config.output_dir.replace("{env}", name)), "--output-dir"
+            if jax.process_index() == 0:
+                output = Path(run_folder(str(output), args.overwrite))
         config = dataclasses.replace(config, output_dir=str(output))
         check_run(config, output, named_by)
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
@@ -1900,6 +1903,7 @@ def watch(argv: list[str]) -> int:
     for signum in (signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # any that came as JAX loaded
     errors = child.communicate()[1]
     if child.returncode == -signal.SIGABRT:
         print(
@@ -1925,6 +1929,7 @@ if __name__ == "__main__":
     sys.stdout = BestEffortStream(sys.stdout or open(os.devnull, "w"))  # noqa: SIM115
     sys.stderr = BestEffortStream(sys.stderr or open(os.devnull, "w"))  # noqa: SIM115
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # any that came as JAX loaded
         main()
     except (KeyboardInterrupt, Stopped) as interrupt:
         for signum in SIGNALS:  # a second signal (a process group's, say) must not cut this line

@@ -20,14 +20,16 @@ import dataclasses
 import itertools
 import math
 import os
+import signal
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
-# A CPU is one XLA device by default, and one device runs one thread of this program: showing
-# the CPU as one device per core lets the seeds be split over every core (measured: see
-# README). It only shapes the CPU platform, so a GPU run is unaffected; a user's XLA_FLAGS win.
+# A device runs one thread of this program: one XLA device per CPU core splits the seeds over
+# every core (measured: see README). A GPU run is unaffected; a user's XLA_FLAGS win.
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={os.cpu_count() or 1}")
+if __name__ == "__main__":  # a Ctrl-C or SIGTERM while JAX loads waits for the handlers
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 
 import jax
 import jax.numpy as jnp
@@ -326,9 +328,8 @@ def make_train(
 
         def run_block(steps: int, carry: Carry, _) -> tuple[Carry, None]:
             key, block_key = jax.random.split(carry.key)
-            # All randomness of the block at once: splitting a key per step costs more than
-            # the Q-learning itself. No unroll: unrolling this scan was slower on CPU
-            # (measured: see README).
+            # All randomness of the block at once: a key split per step costs more than the
+            # Q-learning. No unroll: unrolling this scan was slower on CPU (measured: see README).
             bits = jax.random.bits(block_key, (steps,), jnp.uint32)
             carry, _ = lax.scan(agent_step, carry._replace(key=key), bits)
             return carry, None
@@ -408,7 +409,6 @@ import fcntl
 import json
 import logging
 import platform
-import signal
 import socket
 import subprocess
 import sys
@@ -514,6 +514,21 @@ def shard_sweep(sweep: Callable, mesh: Mesh, chunks: int = 1) -> Callable:
     return jax.jit(jax.shard_map(device_sweep, mesh=mesh, **specs, check_vma=False))
 
 
+def check_output_dir(output_dir: str) -> None:
+    """ConfigError unless output_dir, or the nearest parent that exists, is a writable folder."""
+    if not output_dir:  # "" would write into the current folder
+        raise ConfigError("output_dir", "must name a folder, not be empty")
+    try:  # a name the OS refuses (too long, say), or a current folder deleted, raises here
+        output = Path(output_dir).absolute()
+        existing = next(p for p in (output, *output.parents) if p.exists())  # "/" exists
+    except OSError as error:
+        raise ConfigError("output_dir", str(error)) from None
+    if not existing.is_dir():
+        raise ConfigError("output_dir", f"{str(existing)!r} exists and is not a directory")
+    if not os.access(existing, os.W_OK):
+        raise ConfigError("output_dir", f"{str(existing)!r} is not writable")
+
+
 def validate(config: Config, schedule: Schedule) -> tuple[GridWorld, Path]:
     """The checks that need the map or the machine, before anything is written -> (the env,
     the run's folder, made on process 0)."""
@@ -523,17 +538,8 @@ def validate(config: Config, schedule: Schedule) -> tuple[GridWorld, Path]:
         raise ConfigError("layout", str(error)) from None
     if schedule.blocks_per_point >= 2**31:  # loop counters are int32
         raise ConfigError("total_timesteps", "too large: 2^31 blocks or more per curve point")
-    if not config.output_dir:  # "" would write into the current folder
-        raise ConfigError("output_dir", "must name a folder, not be empty")
-    try:  # a name the OS refuses (too long, say), or a current folder deleted, raises here
-        output = Path(config.output_dir).absolute()
-        existing = next(p for p in (output, *output.parents) if p.exists())  # "/" exists
-    except OSError as error:
-        raise ConfigError("output_dir", str(error)) from None
-    if not existing.is_dir():
-        raise ConfigError("output_dir", f"{str(existing)!r} exists and is not a directory")
-    if not os.access(existing, os.W_OK):
-        raise ConfigError("output_dir", f"{str(existing)!r} is not writable")
+    if jax.process_index() == 0:  # process 0 writes for the cluster: the others' is not used
+        check_output_dir(config.output_dir)
     # Per agent, in 4-byte words, by the flag that drives each part: the Q-table thrice (scan
     # carry, loop buffer, output), a block of random bits and its scan slices, the curve. Half
     # the memory is left to XLA and others.
@@ -922,7 +928,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config | Path, dict]:
     overwrite = args.pop("overwrite")
     try:
         config = Config(**args)
-        config = dataclasses.replace(config, output_dir=run_folder(config.output_dir, overwrite))
+        if not cluster["process_id"]:  # None or 0: process 0 writes for a cluster
+            config = dataclasses.replace(
+                config, output_dir=run_folder(config.output_dir, overwrite)
+            )
         return config, cluster
     except ValueError as error:
         fail(str(error))
@@ -1345,6 +1354,7 @@ def watch(argv: list[str]) -> int:
     for signum in (signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # any that came as JAX loaded
     errors = child.communicate()[1]
     if child.returncode == -signal.SIGABRT:
         print(
@@ -1374,6 +1384,7 @@ if __name__ == "__main__":
     sys.stdout = BestEffortStream(sys.stdout or open(os.devnull, "w"))  # noqa: SIM115
     sys.stderr = BestEffortStream(sys.stderr or open(os.devnull, "w"))  # noqa: SIM115
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # any that came as JAX loaded
         main()
     except (KeyboardInterrupt, Stopped) as interrupt:
         for signum in SIGNALS:  # a second signal (a process group's, say) must not cut this line

@@ -13,12 +13,14 @@ is the algorithm (config, environment, agent, train); below it, running it and r
 import dataclasses
 import functools
 import os
+import signal
 from typing import NamedTuple
 
-# Show every CPU core to JAX as a device, so that the seeds are spread over all cores. Only
-# when the user has not set XLA_FLAGS, and before jax is imported; a GPU is unaffected.
+# Unless XLA_FLAGS is set: each CPU core a JAX device, the seeds spread over all cores.
 if "XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={os.cpu_count() or 1}"
+if __name__ == "__main__":  # a Ctrl-C or SIGTERM while JAX loads waits for the handlers
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 
 import jax
 import jax.numpy as jnp
@@ -181,9 +183,8 @@ class GridWorld:
 
 # ----- Agent ------------------------------------------------------------------------------
 
-# Each step uses one random 32-bit word, split into two 16-bit fields: the low half decides
-# explore vs exploit, the high half picks the action. One word per step instead of several
-# floats matters: random number generation is the largest cost left in the loop.
+# One random 32-bit word a step, two 16-bit fields: the low half decides explore vs exploit, the
+# high half picks the action. One word, not several floats: drawing is the loop's largest cost.
 RANDOM_FIELD_BITS = 16
 RANDOM_FIELD_MASK = (1 << RANDOM_FIELD_BITS) - 1
 
@@ -214,10 +215,9 @@ def q_learning_update(q, obs, action, reward, terminated, next_obs, learning_rat
     bootstrap = jnp.where(terminated, 0.0, q[next_obs].max())
     target = reward + gamma * bootstrap
     new_value = q[obs, action] + learning_rate * (target - q[obs, action])
-    # .set of a value computed here rather than .at[...].add(step): XLA may fuse a multiply
-    # and an add into one FMA (one rounding instead of two), which it can do here with or
-    # without vmap but not inside a vmapped scatter-add. So vmap(train) matches train bit for
-    # bit; a last-bit difference would flip a later tie-break and change the whole run.
+    # .set of a value computed here, not .at[...].add(step): XLA may fuse a multiply and an add
+    # into one FMA (one rounding, not two) here with or without vmap, not in a vmapped scatter-add.
+    # So vmap(train) matches train bit for bit: a last-bit difference would flip a later tie-break.
     return q.at[obs, action].set(new_value)
 
 
@@ -358,7 +358,6 @@ import fcntl
 import itertools
 import json
 import platform
-import signal
 import sys
 import time
 from importlib import metadata
@@ -1031,6 +1030,7 @@ if __name__ == "__main__":
     sys.stdout = BestEffortStream(sys.stdout or open(os.devnull, "w"))  # noqa: SIM115
     sys.stderr = BestEffortStream(sys.stderr or open(os.devnull, "w"))  # noqa: SIM115
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # any that came as JAX loaded
         main()
     except (KeyboardInterrupt, Stopped) as interrupt:
         for signum in SIGNALS:  # a second signal (a process group's, say) must not cut this line

@@ -606,14 +606,14 @@ LONG_CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "20000"]
 
 def launch_cluster(tmp_path, argv: list[str], only_1=()) -> list[subprocess.Popen]:
     """Processes 0 and 1 of a cluster on 127.0.0.1, one CPU device each, writing to
-    tmp_path/process<i>; `only_1`: flags given to process 1 alone."""
+    tmp_path/process<i>; `only_1`: flags given to process 1 alone, last."""
     cluster = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
     flags = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=1"  # the last wins
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}  # on a GPU machine too
     return [
         subprocess.Popen(
             [sys.executable, "dqn_cartpole.py", *argv, *cluster, "--process-id", str(i)]
-            + [*(only_1 if i == 1 else ()), "--output-dir", str(tmp_path / f"process{i}")],
+            + ["--output-dir", str(tmp_path / f"process{i}"), *(only_1 if i == 1 else ())],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -631,11 +631,12 @@ def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
     one a single process with two devices trains (TINY_ARGS: two blocks, a gather after each;
     the single process's programs are those other tests compiled)."""
     dqn.main([*TINY_ARGS, "--output-dir", str(tmp_path / "single")])
-    processes = launch_cluster(tmp_path, TINY_ARGS)
+    (tmp_path / "a file").write_text("")  # process 1's folder, never used, cannot be made:
+    processes = launch_cluster(tmp_path, TINY_ARGS, ["--output-dir", str(tmp_path / "a file/1")])
     results = [process.communicate(timeout=300) for process in processes]
     assert [process.returncode for process in processes] == [0, 0], results
     assert "2 cpu devices" in results[0][0] and "final greedy return" not in results[1][0]
-    assert not (tmp_path / "process1").exists()  # process 0 writes for the cluster
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a file", "process0", "single"]
     for name in ("params.msgpack", "curves.csv"):
         single = (tmp_path / "single" / name).read_bytes()
         assert (tmp_path / "process0" / name).read_bytes() == single, name
@@ -814,6 +815,11 @@ def test_scores_with_and_without_a_solved_return():
     unsolvable = dqn.scores(final, None, seed=0)  # an environment with no reward_threshold
     assert unsolvable["solved_fraction"] is None and unsolvable["solved_ci95"] is None
     assert unsolvable["iqm"] == scored["iqm"] and "solved" not in dqn.score_line(unsolvable, None)
+    for seed in (-1, -(2**63)):  # a --seed the command line takes (it crashed after training)
+        low, high = dqn.scores(final, 475.0, seed)["iqm"]["ci95"]
+        assert 20 <= low <= high <= 500
+        curve = dqn.training_scores(final[:, None], np.array([1_000]), 475.0, seed)["curve"]
+        assert curve["ci95_low"][0] == low and curve["ci95_high"][0] == high
 
 
 def test_train_defaults_equal_hparams_none(tiny_train, tiny_keys):

@@ -550,7 +550,7 @@ def test_process_0_alone_is_one_line_once_the_cluster_timeout_passes(tmp_path, c
 
 def launch_cluster(tmp_path, argv: list[str], only_1=()) -> list[subprocess.Popen]:
     """Processes 0 and 1 of a cluster on 127.0.0.1, one CPU device each, writing to
-    tmp_path/process<i>; `only_1`: flags given to process 1 alone."""
+    tmp_path/process<i>; `only_1`: flags given to process 1 alone, last."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -560,7 +560,7 @@ def launch_cluster(tmp_path, argv: list[str], only_1=()) -> list[subprocess.Pope
     return [
         subprocess.Popen(
             [sys.executable, str(SCRIPT), *argv, *cluster, "--process-id", str(i)]
-            + [*(only_1 if i == 1 else ()), "--output-dir", str(tmp_path / f"process{i}")],
+            + ["--output-dir", str(tmp_path / f"process{i}"), *(only_1 if i == 1 else ())],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -577,11 +577,12 @@ def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
     one a single process with two devices trains."""
     argv = ["--num-seeds", "5", "--total-timesteps", "2000", "--learning-rates", "0.1,0.5"]
     pq.main([*argv, "--output-dir", str(tmp_path / "single")])
-    processes = launch_cluster(tmp_path, argv)
+    (tmp_path / "a file").write_text("")  # process 1's folder, never used, cannot be made:
+    processes = launch_cluster(tmp_path, argv, ["--output-dir", str(tmp_path / "a file/1")])
     results = [process.communicate(timeout=300) for process in processes]
     assert [process.returncode for process in processes] == [0, 0], results
     assert "2 cpu devices" in results[0][0] and results[1][0].count("agent-steps/s") == 0
-    assert not (tmp_path / "process1").exists()  # process 0 writes for the cluster
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a file", "process0", "single"]
     for name in ("q_tables.npy", "curves.csv"):
         single = (tmp_path / "single" / name).read_bytes()
         assert (tmp_path / "process0" / name).read_bytes() == single, name

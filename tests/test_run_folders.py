@@ -174,17 +174,24 @@ def test_a_jax_platform_this_machine_lacks_is_one_line(script, tmp_path, variabl
     assert not output.exists()
 
 
-def test_a_signal_handled_in_a_garbage_collector_callback_still_stops_the_run(script, tmp_path):
+@pytest.mark.parametrize("moment", ["as JAX loads", "once the handlers are in place"])
+def test_a_signal_handled_in_a_garbage_collector_callback_still_stops_the_run(
+    script, tmp_path, moment
+):
     """Python prints and drops an exception raised in a garbage-collector callback (JAX has one):
     a Ctrl-C or SIGTERM that arrived while one ran was lost, and the run went on to its end (exit
-    0). Here the signal is sent from such a callback, once the script's handlers are in place."""
+    0). Here the signal is sent from such a callback, while the script's imports load JAX (where
+    a Ctrl-C was also a traceback, and a SIGTERM ended the script without a word), or once the
+    script's handlers are in place."""
     # Ctrl-C (Python's KeyboardInterrupt) in one script, SIGTERM (the scripts' own stop()) in two
     signum = signal.SIGINT if script is q_learning_gridworld else signal.SIGTERM
     output = tmp_path / "run"
     argv = [script.__file__, *shlex.split(SHORT_RUNS[script]), "--output-dir", str(output)]
+    handlers = 'getattr(signal.getsignal(signal.SIGTERM), "__name__", "") == "stop"'
+    now = '"jax" in sys.modules' if moment == "as JAX loads" else handlers
     code = f"""import gc, os, runpy, signal, sys
 def send(phase, info):
-    if getattr(signal.getsignal(signal.SIGTERM), "__name__", "") == "stop" and not sent:
+    if {now} and not sent:
         sent.append(os.getpid())
         os.kill(os.getpid(), {int(signum)})  # its handler runs here, in the callback
 sent = []
