@@ -481,6 +481,8 @@ CPU_SEEDS_PER_BATCH = 16
 # table rather than gymnasium.spec(id): running the script does not need gymnasium installed.
 SOLVED_RETURNS = {"CartPole-v1": 475.0, "Acrobot-v1": -100.0, "MountainCar-v0": -110.0}
 SOME_ENVS = "cartpole, gymnax, gymnax:Acrobot-v1, gymnax:MountainCar-v0, gymnax:Breakout-MinAtar"
+# A million agents of the default config hold ~280 GiB (memory_need), more than a GPU has.
+MAX_GRID_POINTS = 1_000_000
 # The values the update rule can use. The command line checks every grid point's: HParams are
 # data, which train() takes as they come.
 HPARAM_RULES = {
@@ -540,7 +542,12 @@ def make_env(env: str):
 
 def grid_points(lists: dict[str, tuple[float, ...]]) -> list[dict[str, float]]:
     """Every combination of the hyperparameter lists, the first flag changing slowest;
-    ValueError('--flag problem') for a value the update rule cannot use."""
+    ValueError('--flag problem') for a value the update rule cannot use, or for more than
+    MAX_GRID_POINTS (built as Python objects before check_memory sees them)."""
+    if (count := math.prod(len(values) for values in lists.values())) > MAX_GRID_POINTS:
+        longest = max(lists, key=lambda name: len(lists[name]))
+        raise ValueError(f"{flag(longest)}: the lists make {count:,} grid points (the product of "
+                         f"their lengths), more than {MAX_GRID_POINTS:,}")  # fmt: skip
     for name, values in lists.items():
         valid, problem = HPARAM_RULES[name]
         with np.errstate(over="ignore"):  # beyond float32 becomes inf, which the rules refuse

@@ -549,7 +549,7 @@ def validate(config: Config, schedule: Schedule) -> tuple[GridWorld, Path]:
         "num_curve_points": schedule.num_points * len(Curve._fields),
     }
     per_agent = sum(per_agent_terms.values())
-    grid = len(grid_points(config))
+    grid = len(config.gammas) * len(config.learning_rates) * len(config.epsilons)  # not built yet
     padded_seeds = math.ceil(config.num_seeds / jax.device_count()) * jax.device_count()
     needed = 4 * per_agent * padded_seeds * grid * jax.local_device_count() / jax.device_count()
     stats = [device.memory_stats() or {} for device in jax.local_devices()]  # this host's

@@ -921,6 +921,13 @@ BAD_INPUTS = [
     (["--load", ""], "--load"),
     (["--resume", ""], "--resume"),
     (["--learning-rate", "1e-3,1e-3"], "--learning-rate"),  # two grid points the same
+    (  # 101^3 grid points: refused before they are made (24 million took 7 GB, then an abort)
+        [
+            f"--{name}={','.join(str((i + 1) / 200) for i in range(101))}"
+            for name in ("learning-rate", "gamma", "tau")
+        ],
+        "--learning-rate: the lists make 1,030,301 grid points",
+    ),  # fmt: skip
     (["--solved-return", "nan"], "--solved-return"),
 ]
 

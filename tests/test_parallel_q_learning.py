@@ -343,9 +343,15 @@ def test_parse_float_list():
             pq.parse_float_list(bad)
 
 
-def test_memory_refusal_names_the_flag():
+def test_memory_refusal_names_the_flag(monkeypatch):
     with pytest.raises(pq.ConfigError, match="--num-seeds: .* GB"):
         config = pq.Config(num_seeds=10**9)
+        pq.validate(config, pq.make_schedule(config))
+    # A grid of a billion points: refused before it is built (it would fill the memory first).
+    values = tuple(np.linspace(0.001, 0.999, 1000).tolist())
+    config = pq.Config(learning_rates=values, epsilons=values, gammas=values)
+    monkeypatch.setattr(pq, "grid_points", lambda config: pytest.fail("built the grid"))
+    with pytest.raises(pq.ConfigError, match="--num-seeds: .* x 1000000000 grid points"):
         pq.validate(config, pq.make_schedule(config))
 
 
