@@ -16,9 +16,9 @@ on the same machine in the same run, by the benchmarks beside it:
 It prints one line: `article steps_per_s=<agent-steps per second, compile excluded> ...`.
 """
 
-import argparse
 import time
 
+import cli  # next to this file: the benchmarks' flags
 import jax
 import jax.numpy as jnp
 from jax import lax, random
@@ -75,10 +75,12 @@ def make_train(timesteps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timesteps", type=int, default=1_000_000)
+    parser = cli.parser(__doc__)
+    parser.add_argument("--timesteps", type=cli.count, default=1_000_000)
     parser.add_argument("--num-agents", type=int, default=0, help="0: one agent, no vmap")
     args = parser.parse_args()
+    if args.timesteps >= 2**31 or args.num_agents < 0:  # the loop counter is int32
+        parser.error("--timesteps must be below 2^31, --num-agents at least 0")
 
     train = make_train(args.timesteps)
     if args.num_agents:

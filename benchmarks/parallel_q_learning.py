@@ -118,8 +118,9 @@ def run_article(timesteps: int, agents: int) -> float:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     match = re.search(r"steps_per_s=([0-9.]+)", done.stdout)
-    if done.returncode != 0 or match is None:
-        sys.exit(f"error: {ARTICLE.name} failed: {(done.stderr or done.stdout).strip()[-300:]}")
+    if done.returncode != 0 or match is None:  # its last line says why (a traceback's end)
+        last = ((done.stderr or done.stdout).strip().splitlines() or ["no output"])[-1]
+        pq.fail(f"--yardstick-agents, --yardstick-timesteps: {ARTICLE.name} failed: {last}"[:300])
     return float(match.group(1))
 
 
@@ -206,6 +207,17 @@ def main(argv: list[str] | None = None) -> None:
         pq.validate(largest, pq.make_schedule(largest))
     except pq.ConfigError as error:
         pq.fail(str(error).replace("--num-seeds", "--max-agents"))
+    try:
+        measure(args, env)
+    except BaseException:  # stopped or failed: no empty folder left
+        pq.remove_if_empty(Path(args.output_dir))
+        raise
+
+
+def measure(args: argparse.Namespace, env: pq.GridWorld) -> None:
+    """Every measurement and the yardstick, alternating; then the table, the file, the figure."""
+    # The yardstick first: one that cannot run (too many agents) stops before ours compile.
+    yardstick = [run_article(args.yardstick_timesteps, args.yardstick_agents)]
     counts = [4**i for i in range(20) if 4**i < args.max_agents] + [args.max_agents]
     devices = jax.devices()
     print(f"compiling the measurements ({len(devices)} {devices[0].platform} devices) ...")
@@ -232,9 +244,9 @@ def main(argv: list[str] | None = None) -> None:
 
     # Alternate: the yardstick and every measurement once per repeat; medians after.
     seconds = {point: [] for point in points}
-    yardstick = []
     for repeat in range(args.repeats):
-        yardstick.append(run_article(args.yardstick_timesteps, args.yardstick_agents))
+        if repeat:
+            yardstick.append(run_article(args.yardstick_timesteps, args.yardstick_agents))
         for point in points:
             start = time.perf_counter()
             jax.block_until_ready(point.run())

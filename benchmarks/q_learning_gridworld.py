@@ -50,7 +50,10 @@ def main() -> None:
 
     # A block must divide the run; the script's default block when it does.
     block = math.gcd(args.timesteps, qlg.Config.steps_per_block)
-    config = qlg.Config(total_timesteps=args.timesteps, steps_per_block=block)
+    try:
+        config = qlg.Config(total_timesteps=args.timesteps, steps_per_block=block)
+    except ValueError as error:  # the script's own limits, under this command's flag
+        parser.error(f"--timesteps: {error}")
     train = jax.jit(qlg.make_train(config))
     key = jax.random.key(0)
     start = time.perf_counter()

@@ -11,14 +11,17 @@ BAD = {  # benchmark and arguments: the flag its one line must name
     "dqn_sweep.py --timesteps -5": "--timesteps",
     "dqn_time_split.py --agents 0": "--agents",
     "q_learning_gridworld.py --timesteps x": "--timesteps",
+    "q_learning_gridworld.py --timesteps 3000000000": "--timesteps",  # beyond the script's int32
+    "article_q_learning.py --timesteps 0": "--timesteps",
+    "article_q_learning.py --num-agents -1": "--num-agents",
     "two_processes.py parallel_q_learning.py --repeats 0": "--repeats",
 }
 
 
 def test_a_bad_count_is_one_line_naming_its_flag():
     """A count below 1 (or not a number) used to end in a traceback after the runs (a median
-    of nothing), or in meaningless numbers; now one line, exit 2, before any run. The six run
-    side by side: each pays for importing jax, and nothing more."""
+    of nothing), or in meaningless numbers; now one line, exit 2, before any run. They run side
+    by side: each pays for importing jax, and nothing more."""
     runs = {}
     for command in BAD:
         script, *argv = command.split()
@@ -31,3 +34,18 @@ def test_a_bad_count_is_one_line_naming_its_flag():
         lines = err.strip().splitlines()
         assert run.returncode == 2 and len(lines) == 1 and BAD[command] in lines[0], (command, err)
         assert not out, (command, out)
+
+
+def test_a_yardstick_that_cannot_run_is_one_line_before_ours_compile(tmp_path):
+    """Too many agents for the article-style yardstick (80 GB of keys): one line naming the flag,
+    not its traceback after our measurements compiled, and no empty output folder left."""
+    output = tmp_path / "bench"
+    argv = ["--max-agents", "4", "--agent-steps", "1000", "--numpy-steps", "100", "--repeats", "1"]
+    argv += ["--yardstick-timesteps", "100", "--yardstick-agents", str(10**10)]
+    run = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "parallel_q_learning.py"), *argv, "--output-dir",
+         str(output)], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1 and "--yardstick-agents" in lines[0], lines
+    assert "compiling" not in run.stdout and not output.exists()
