@@ -1056,6 +1056,8 @@ def check_coordinator(address: str, process_id: int, num_processes: int, timeout
     host, _, port = address.rpartition(":")
     if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 2**16:
         fail(f"--coordinator-address {address!r}: expected HOST:PORT, a port from 1 to 65535")
+    if ":" in host:  # JAX's client aborts on an IPv6 address, and the probe below is IPv4
+        fail(f"--coordinator-address {address}: IPv6; give a host name or IPv4")
     try:  # JAX's client would abort
         socket.getaddrinfo(host, int(port))
     except OSError as error:

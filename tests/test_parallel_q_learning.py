@@ -383,6 +383,9 @@ CLUSTER = ["--coordinator-address", "127.0.0.1:9", "--num-processes", "2"]
         (["--num-processes", "2"], "--process-id"),
         ([*CLUSTER, "--process-id", "2"], "--process-id"),
         (["--coordinator-address", "x", "--num-processes", "2", "--process-id", "1"], "HOST:PORT"),
+        # IPv6: JAX aborted with a C++ trace a minute later ([::1] was "cannot resolve")
+        (["--coordinator-address", "::1:9", "--num-processes", "1", "--process-id", "0"], "IPv6"),
+        (["--coordinator-address", "[::1]:9", "--num-processes", "1", "--process-id", "0"], "IPv6"),
         ([*CLUSTER, "--process-id", "1", "--cluster-timeout", "0.5"], "--cluster-timeout"),
         (
             ["--coordinator-address", "no.invalid:1", "--num-processes", "1", "--process-id", "0"],
