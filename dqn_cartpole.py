@@ -1831,6 +1831,8 @@ class BestEffortStream:
     on, to be saved whole."""
 
     def __init__(self, stream):
+        if hasattr(stream, "reconfigure"):  # a folder name whose bytes its encoding cannot show
+            stream.reconfigure(errors="backslashreplace")  # (stdout's default there: an error)
         self.stream = stream
 
     def __getattr__(self, name: str):

@@ -4,6 +4,7 @@ for a JAX platform the machine lacks."""
 
 import fcntl
 import importlib.util
+import io
 import os
 import resource
 import shlex
@@ -309,3 +310,15 @@ def test_a_sighup_ignored_from_the_start_stays_ignored(script):
                 assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+def test_a_folder_name_the_terminal_cannot_show_is_printed_escaped(script):
+    """A folder name with bytes that are not UTF-8 ('caf\\xe9', a surrogate to Python) under a
+    strict UTF-8 stdout: printing 'output <folder>/' raised UnicodeEncodeError, a traceback
+    just before training, and an empty folder was left."""
+    raw = io.BytesIO()
+    stream = script.BestEffortStream(io.TextIOWrapper(raw, encoding="utf-8", errors="strict"))
+    folder = os.fsdecode(b"caf\xe9")  # as Path and os.listdir give it
+    print(f"output {folder}/", file=stream)
+    stream.flush()
+    assert raw.getvalue() == b"output caf\\udce9/\n"
