@@ -782,18 +782,26 @@ def save_figure(fig, path: Path) -> None:
     plt.close(fig)
 
 
+def ticks(values: list[float], most: int) -> tuple[range, list[str]]:
+    """Positions and labels of at most `most` ticks over an axis of `values`."""
+    step = -(-len(values) // most)
+    return range(0, len(values), step), [f"{value:g}" for value in values[::step]]
+
+
 def plot_heatmap(summary: dict, path: Path) -> None:
     """Quality over learning rate x epsilon: one column of panels per gamma, one row per measure;
     each colour scale spans the values present, each cell gives its mean and 95% CI."""
     import matplotlib.pyplot as plt
 
     lrs, epsilons, gammas = (summary["config"][k] for k in ("learning_rates", "epsilons", "gammas"))
+    annotated = len(epsilons) <= 6 and len(lrs) <= 10  # more cells: their texts would overlap
     fig, axes = plt.subplots(len(HEATMAP_MEASURES), len(gammas), squeeze=False)
     fig.set_layout_engine("constrained")
     fig.set_size_inches(2.5 + 3.6 * len(gammas), 7.2)
     fig.suptitle(
         f"{plural(summary['config']['num_seeds'], 'seed')} per cell, "
-        f"{summary['steps_per_agent']:,} steps per agent; cells: mean [95% CI]"
+        f"{summary['steps_per_agent']:,} steps per agent; "
+        + ("cells: mean [95% CI]" if annotated else "colour: the mean over seeds")
     )
     for m, (measure, label) in enumerate(HEATMAP_MEASURES.items()):
         stats = [row[measure] for row in summary["grid"]]  # grid order: gamma slowest
@@ -803,12 +811,13 @@ def plot_heatmap(summary: dict, path: Path) -> None:
         for ax, gamma, panel, ci in zip(axes[m], gammas, means, cis, strict=True):
             image = ax.imshow(panel, vmin=low, vmax=high, cmap="viridis", origin="lower")
             for (i, j), value in np.ndenumerate(panel):
-                color = "w" if value < (low + high) / 2 else "k"
-                low_ci, high_ci = np.clip(ci[i, j], 0, 1)  # both measures are shares
-                text = f"{value:.2f}\n[{low_ci:.2f}, {high_ci:.2f}]"
-                ax.text(j, i, text, ha="center", va="center", color=color, fontsize=8)
-            ax.set_xticks(range(len(epsilons)), [f"{e:g}" for e in epsilons])
-            ax.set_yticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
+                if annotated:
+                    color = "w" if value < (low + high) / 2 else "k"
+                    low_ci, high_ci = np.clip(ci[i, j], 0, 1)  # both measures are shares
+                    text = f"{value:.2f}\n[{low_ci:.2f}, {high_ci:.2f}]"
+                    ax.text(j, i, text, ha="center", va="center", color=color, fontsize=8)
+            ax.set_xticks(*ticks(epsilons, most=6))
+            ax.set_yticks(*ticks(lrs, most=10))
             ax.set(xlabel="epsilon", ylabel="learning rate", title=f"gamma = {gamma:g}")
         fig.colorbar(image, ax=axes[m].tolist(), label=label.replace(" (", "\n("))
     save_figure(fig, path)
@@ -825,7 +834,8 @@ def plot_curves(summary: dict, curves: dict, path: Path) -> None:
     if num_seeds > 1:
         half = Z_95 * lengths.std(axis=1, ddof=1) / math.sqrt(num_seeds)
     gammas, cells = config["gammas"], make_env(config["layout"]).num_cells
-    crowded = len(summary["grid"]) // len(gammas) >= 9  # lines per panel: the legend goes below
+    per_panel = len(summary["grid"]) // len(gammas)  # lines
+    crowded = per_panel >= 9  # the legend goes below; beyond 30 lines it names none of them
     size = (2 + 4.5 * len(gammas), 5.5 if crowded else 4)
     fig, axes = plt.subplots(1, len(gammas), figsize=size, squeeze=False, layout="constrained")
     fig.suptitle(
@@ -834,7 +844,9 @@ def plot_curves(summary: dict, curves: dict, path: Path) -> None:
     )
     for g, row in enumerate(summary["grid"]):
         ax = axes[0][gammas.index(row["gamma"])]
-        label = f"lr {row['learning_rate']:g}, epsilon {row['epsilon']:g}"
+        label = (
+            f"lr {row['learning_rate']:g}, epsilon {row['epsilon']:g}" if per_panel <= 30 else None
+        )
         ax.plot(steps, mean[g], label=label)
         ax.fill_between(steps, mean[g] - half[g], mean[g] + half[g], alpha=0.2)
     for ax, gamma in zip(axes[0], gammas, strict=True):

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -479,6 +480,30 @@ def test_cli_error_in_a_fresh_process_has_no_traceback(tmp_path):
     assert done.returncode != 0
     assert done.stderr.strip().count("\n") == 0 and "--epsilons" in done.stderr, done.stderr
     assert not output.exists()
+
+
+def test_a_large_grid_draws_readable_figures(tmp_path, monkeypatch):
+    """20 x 20 grid points: the heatmap's cells hold no text (theirs overlapped, unreadable) and
+    its axes at most 6 and 10 tick labels; the curves' legend names none of the 400 lines (they
+    fell out of the figure, with matplotlib's warning on stderr)."""
+    import matplotlib.axes
+
+    values = ",".join(f"{0.05 * (i + 1):.2f}" for i in range(20))
+    argv = ["--learning-rates", values, "--epsilons", values, "--total-timesteps", "1000"]
+    pq.main([*argv, "--output-dir", str(tmp_path)])
+    texts = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "text", lambda *args, **kwargs: texts.append(1))
+    figures, save = [], pq.save_figure  # drawn and written, and kept for a look
+    monkeypatch.setattr(pq, "save_figure", lambda fig, path: (save(fig, path), figures.append(fig)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pq.plot_run(tmp_path)
+    assert not caught and not texts, [str(w.message) for w in caught]
+    heatmap, curves = figures
+    assert all(len(ax.get_xticks()) <= 6 and len(ax.get_yticks()) <= 10 for ax in heatmap.axes[:2])
+    assert [text.get_text() for text in curves.axes[0].get_legend().get_texts()] == [
+        "shortest path (18)"
+    ]
 
 
 def test_cli_happy_path(tmp_path):
