@@ -810,8 +810,8 @@ def plot_heatmap(summary: dict, path: Path) -> None:
         low, high = means.min(), max(means.max(), means.min() + 0.01)  # one value: no 0-wide scale
         for ax, gamma, panel, ci in zip(axes[m], gammas, means, cis, strict=True):
             image = ax.imshow(panel, vmin=low, vmax=high, cmap="viridis", origin="lower")
-            for (i, j), value in np.ndenumerate(panel):
-                if annotated:
+            if annotated:
+                for (i, j), value in np.ndenumerate(panel):
                     color = "w" if value < (low + high) / 2 else "k"
                     low_ci, high_ci = np.clip(ci[i, j], 0, 1)  # both measures are shares
                     text = f"{value:.2f}\n[{low_ci:.2f}, {high_ci:.2f}]"
