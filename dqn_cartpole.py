@@ -1651,7 +1651,8 @@ def check_backend() -> None:
             jax.devices()
         except Exception as error:  # a RuntimeError, or an AssertionError for a missing cuda
             detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-            if jax.distributed.is_initialized():  # the processes' device lists never all came
+            # A cluster's wait for every process's list of devices, timed out:
+            if jax.distributed.is_initialized() and "topolog" in detail:
                 detail = detail.partition(" (you may need to uninstall")[0]  # JAX's plugin hint
                 sys.exit(
                     f"dqn_cartpole.py: error: another process of the cluster stopped ({detail})"
@@ -1911,10 +1912,12 @@ def watch(argv: list[str]) -> int:
         stderr=subprocess.PIPE,
         preexec_fn=die_with_parent,
     )
+    for signum in signal.sigpending() & {signal.SIGINT, signal.SIGHUP}:  # came as JAX loaded,
+        child.send_signal(signum)  # before the child was there: SIG_IGN below would drop them
     for signum in (signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # any that came as JAX loaded
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # a SIGTERM that came as JAX loaded
     errors = child.communicate()[1]
     if child.returncode == -signal.SIGABRT:
         print(

@@ -905,7 +905,7 @@ def read_layout(value: str) -> str:
 
 def parse_config(argv: list[str] | None = None) -> tuple[Config | Path, dict]:
     """Config from the command line: one --flag per field, its help and default shown; or,
-    with --replot DIR, the saved run whose figures to redraw. Also the cluster flags."""
+    with --replot DIR, the saved run whose figures to redraw. Also the cluster flags, overwrite."""
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -937,14 +937,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config | Path, dict]:
         return args["replot"], {}
     cluster_flags = ("coordinator_address", "num_processes", "process_id", "cluster_timeout")
     cluster = {name: args.pop(name) for name in cluster_flags}
-    overwrite = args.pop("overwrite")
+    cluster["overwrite"] = args.pop("overwrite")  # main checks the folder on process 0 only
     try:
-        config = Config(**args)
-        if not cluster["process_id"]:  # None or 0: process 0 writes for a cluster
-            config = dataclasses.replace(
-                config, output_dir=run_folder(config.output_dir, overwrite)
-            )
-        return config, cluster
+        return Config(**args), cluster
     except ValueError as error:
         fail(str(error))
 
@@ -1042,7 +1037,8 @@ def check_backend() -> None:
             jax.devices()
         except Exception as error:  # a RuntimeError, or an AssertionError for a missing cuda
             detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-            if jax.distributed.is_initialized():  # the processes' device lists never all came
+            # A cluster's wait for every process's list of devices, timed out:
+            if jax.distributed.is_initialized() and "topolog" in detail:
                 detail = detail.partition(" (you may need to uninstall")[0]  # JAX's plugin hint
                 fail(f"another process of the cluster stopped ({detail})", 1)
             given = [f"{name}={os.environ[name]!r}" for name in ("JAX_PLATFORMS", "XLA_FLAGS") if
@@ -1201,11 +1197,19 @@ def main(argv: list[str] | None = None) -> None:
     platforms = jax.config.jax_platforms
     if cpu_added := bool(platforms) and "cpu" not in platforms.split(","):
         jax.config.update("jax_platforms", f"{platforms},cpu")
+    overwrite = cluster.pop("overwrite")
     join_cluster(**cluster)
     if cpu_added and jax.default_backend() == "cpu":  # JAX passes over a cuda it cannot see
         fail(f"JAX_PLATFORMS={platforms!r}: JAX finds no such device here, only the CPU")
     if jax.process_count() > 1:
         check_same_flags(config)
+    if jax.process_index() == 0:  # process 0 writes for the cluster: the others' is not used
+        try:
+            config = dataclasses.replace(
+                config, output_dir=run_folder(config.output_dir, overwrite)
+            )
+        except ValueError as error:
+            fail(str(error))
     schedule = make_schedule(config)
     try:
         env, output = validate(config, schedule)
@@ -1367,10 +1371,12 @@ def watch(argv: list[str]) -> int:
         stderr=subprocess.PIPE,
         preexec_fn=die_with_parent,
     )
+    for signum in signal.sigpending() & {signal.SIGINT, signal.SIGHUP}:  # came as JAX loaded,
+        child.send_signal(signum)  # before the child was there: SIG_IGN below would drop them
     for signum in (signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # any that came as JAX loaded
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # a SIGTERM that came as JAX loaded
     errors = child.communicate()[1]
     if child.returncode == -signal.SIGABRT:
         print(

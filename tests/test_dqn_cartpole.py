@@ -984,6 +984,14 @@ def test_cluster_processes_whose_device_lists_never_all_come_are_one_line(monkey
     assert str(stop.value.code).startswith(line) and "\n" not in stop.value.code
     assert stop.value.code.endswith("GetKeyValue() timed out)")  # not JAX's hint on plugins
 
+    # Another failure in a cluster (this host's platform, say) is still this host's own line.
+    def no_gpu():
+        raise RuntimeError("Unable to initialize backend 'cuda': no CUDA-capable device")
+
+    monkeypatch.setattr(jax, "devices", no_gpu)
+    with pytest.raises(ValueError, match="JAX_PLATFORMS=.*: no JAX backend .*'cuda'"):
+        dqn.check_backend()
+
 
 def test_cli_output_dir_that_is_a_file_and_load_without_params(tmp_path, capsys):
     a_file = tmp_path / "file"

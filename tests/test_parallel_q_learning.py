@@ -470,6 +470,16 @@ def test_cluster_processes_whose_device_lists_never_all_come_are_one_line(monkey
     assert "error: another process of the cluster stopped (Unable to initialize" in err
     assert err.endswith("GetKeyValue() timed out)\n")  # not JAX's hint on plugins
 
+    # Another failure in a cluster (this host's platform, say) is still this host's own line.
+    def no_gpu():
+        raise RuntimeError("Unable to initialize backend 'cuda': no CUDA-capable device")
+
+    monkeypatch.setattr(jax, "devices", no_gpu)
+    with pytest.raises(SystemExit) as stop:
+        pq.check_backend()
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "JAX_PLATFORMS=" in err and "no JAX backend" in err, err
+
 
 def test_cli_error_in_a_fresh_process_has_no_traceback(tmp_path):
     output = tmp_path / "out"

@@ -206,6 +206,31 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     assert_stopped_before_any_work(script, result, signum, output)
 
 
+def test_a_signal_while_a_cluster_watcher_loads_jax_reaches_its_child(script, tmp_path):
+    """A process other than 0 of a cluster does its work in a child that it watches, ignoring
+    Ctrl-C and SIGHUP itself (they reach the child as they reach it). One that came while the
+    watcher loaded JAX, before the child was there, was dropped: the child went on, here waiting
+    for a process 0 that never comes ("nobody answered", exit 2). Now it is passed on."""
+    if script is q_learning_gridworld:
+        pytest.skip("one process, no cluster: no watcher")
+    cluster = ["--coordinator-address", "127.0.0.1:9", "--num-processes", "2", "--process-id", "1"]
+    argv = [script.__file__, *cluster, "--cluster-timeout", "20"]
+    code = f"""import gc, os, runpy, signal, sys
+def send(phase, info):
+    if "jax" in sys.modules and not sent:
+        sent.append(os.getpid())
+        os.kill(os.getpid(), signal.SIGINT)
+sent = []
+gc.callbacks.append(send)
+sys.argv = {argv!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert_stopped_before_any_work(script, result, signal.SIGINT, tmp_path / "no folder")
+
+
 def test_a_signal_while_jax_loads_its_plugins_still_stops_the_run(script, tmp_path):
     """JAX's first use of a device loads its plugins (jax[cuda]'s loads CUDA's libraries) and drops
     whatever a plugin's initialize() raises: a Ctrl-C or SIGTERM that arrived then was lost (the
