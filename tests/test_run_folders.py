@@ -190,6 +190,13 @@ def test_a_signal_handled_in_a_garbage_collector_callback_still_stops_the_run(
     argv = [script.__file__, *shlex.split(SHORT_RUNS[script]), "--output-dir", str(output)]
     handlers = 'getattr(signal.getsignal(signal.SIGTERM), "__name__", "") == "stop"'
     now = '"jax" in sys.modules' if moment == "as JAX loads" else handlers
+    result = run_signalled_from_a_gc_callback(argv, signum, now)
+    assert_stopped_before_any_work(script, result, signum, output)
+
+
+def run_signalled_from_a_gc_callback(argv: list[str], signum: int, now: str):
+    """Runs argv (a script and its flags) as __main__ in a fresh Python, which sends itself
+    signum from a garbage-collector callback, once, the first time the expression `now` holds."""
     code = f"""import gc, os, runpy, signal, sys
 def send(phase, info):
     if {now} and not sent:
@@ -200,10 +207,7 @@ gc.callbacks.append(send)
 sys.argv = {argv!r}
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
-    )
-    assert_stopped_before_any_work(script, result, signum, output)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
 
 def test_a_signal_while_a_cluster_watcher_loads_jax_reaches_its_child(script, tmp_path):
@@ -215,19 +219,7 @@ def test_a_signal_while_a_cluster_watcher_loads_jax_reaches_its_child(script, tm
         pytest.skip("one process, no cluster: no watcher")
     cluster = ["--coordinator-address", "127.0.0.1:9", "--num-processes", "2", "--process-id", "1"]
     argv = [script.__file__, *cluster, "--cluster-timeout", "20"]
-    code = f"""import gc, os, runpy, signal, sys
-def send(phase, info):
-    if "jax" in sys.modules and not sent:
-        sent.append(os.getpid())
-        os.kill(os.getpid(), signal.SIGINT)
-sent = []
-gc.callbacks.append(send)
-sys.argv = {argv!r}
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
-    )
+    result = run_signalled_from_a_gc_callback(argv, signal.SIGINT, now='"jax" in sys.modules')
     assert_stopped_before_any_work(script, result, signal.SIGINT, tmp_path / "no folder")
 
 
