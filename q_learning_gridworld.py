@@ -449,6 +449,13 @@ def host_memory() -> int:  # bytes of RAM (tests pretend other sizes)
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def device_memory() -> int:  # GPU memory where reported, else RAM (tests pretend other sizes)
+    stats = [device.memory_stats() or {} for device in jax.devices()]
+    if jax.default_backend() != "cpu" and all("bytes_limit" in s for s in stats):
+        return sum(s["bytes_limit"] for s in stats)
+    return host_memory()
+
+
 def count_blocks(config: Config) -> int:
     return -(-config.total_timesteps // config.steps_per_block)  # the last one may be shorter
 
@@ -466,12 +473,8 @@ def check_memory(config: Config, env: GridWorld) -> None:
         "--num-recorded-episodes": 200 * config.num_recorded_episodes,
         "--num-curve-points": 4 * 4 * min(config.num_curve_points, count_blocks(config)),
     }
-    stats = [device.memory_stats() or {} for device in jax.devices()]
+    limit = device_memory() / 2
     half_host = host_memory() / 2
-    if jax.default_backend() != "cpu" and all("bytes_limit" in s for s in stats):
-        limit = sum(s["bytes_limit"] for s in stats) / 2
-    else:
-        limit = half_host
     blocks = count_blocks(config)
     if 24 * blocks > half_host:  # make_train's curve point of each block, in numpy, then jax
         fewest = -(-24 * config.total_timesteps // int(half_host))
