@@ -30,19 +30,18 @@ from jax.sharding import Mesh, PartitionSpec  # noqa: E402
 
 import dqn_cartpole as dqn  # noqa: E402  (found next to this folder, from a clone)
 
-CHECKPOINT_EVERY = 25_000  # the command line's default
 
-
-def in_blocks(config, env, network, grid, plan, output: Path) -> tuple[float, float]:
-    """The command line's way, checkpoints included -> (compile s, train s)."""
-    timings, saved, points = {}, 0, [config.hparams()._asdict()]
+def in_blocks(config, env, network, grid, plan, output: Path, every: int) -> tuple[float, float]:
+    """The command line's way, a checkpoint every `every` steps -> (compile s, train s)."""
+    timings, saved = {}, 0
+    run = {"config": dataclasses.asdict(config), "points": [config.hparams()._asdict()]}
     for done, carry, metrics in dqn.train_agents(
         config, env, network, 0, grid, plan, None, timings
     ):
         steps = int(metrics["step"][0, -1])
-        if steps - saved >= CHECKPOINT_EVERY and steps < config.total_timesteps:
+        if steps - saved >= every and steps < config.total_timesteps:
             start = time.perf_counter()
-            dqn.save_checkpoint(output, config, points, done, carry, metrics)
+            dqn.save_checkpoint(output, run, done, carry, metrics)
             timings["train_time_s"] += time.perf_counter() - start
             saved = steps
     return timings["compile_time_s"], timings["train_time_s"]
@@ -73,10 +72,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=cli.count, default=128, help="seeds trained at once")
     parser.add_argument("--timesteps", type=cli.count, default=50_000, help="environment steps")
     parser.add_argument("--repeats", type=cli.count, default=3, help="alternating rounds; medians")
+    every_help = "steps between the blocks' checkpoints (the command line's default)"
+    parser.add_argument("--checkpoint-every", type=cli.count, default=25_000, help=every_help)
     args = parser.parse_args()
     config = dataclasses.replace(
         dqn.Config(), num_seeds=args.seeds, total_timesteps=args.timesteps,
-        eval_every=min(dqn.Config().eval_every, args.timesteps),
+        eval_every=min(dqn.Config().eval_every, args.timesteps // 2),  # two blocks or more
         learning_starts=min(dqn.Config().learning_starts, args.timesteps // 2),
     )  # fmt: skip
     env = dqn.CartPole()
@@ -88,7 +89,9 @@ def main() -> None:
         for repeat in range(args.repeats):
             for name in times:
                 if name == "blocks":
-                    compile_s, train_s = in_blocks(config, env, network, grid, plan, Path(folder))
+                    compile_s, train_s = in_blocks(
+                        config, env, network, grid, plan, Path(folder), args.checkpoint_every
+                    )
                 else:
                     compile_s, train_s = in_one_call(config, env, network, grid, plan)
                 times[name].append((compile_s, train_s))

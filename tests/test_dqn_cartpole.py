@@ -1054,7 +1054,11 @@ BENCHMARKS = {  # name: (script, a tiny size, what it prints last)
     "sweep": ("dqn_sweep.py", "--seeds 1 --timesteps 200 --repeats 1", "sweep / single:"),
     "time split": ("dqn_time_split.py", "--agents 2 --steps 50 --repeats 1", "environment step"),
     "profile": ("dqn_time_split.py", "--agents 2 --steps 50 --profile", "dot"),  # an update op
-    "blocks": ("dqn_segments.py", "--seeds 2 --timesteps 600 --repeats 1", "blocks / one call:"),
+    "blocks": (
+        "dqn_segments.py",
+        "--seeds 2 --timesteps 600 --repeats 1 --checkpoint-every 100",
+        "blocks / one call:",
+    ),
 }
 
 
