@@ -1452,8 +1452,7 @@ class StopRequest:
             # Ctrl-C again: at once, as outside training. SIGTERM or SIGHUP again is the same
             # request (a process group's and a watcher's, a hang-up's two): the run is saved.
             if signum == signal.SIGINT:
-                signal.signal(signum, self.previous[signum])
-                os.kill(os.getpid(), signum)
+                raise KeyboardInterrupt
             return
         self.signum = signum
         then = "the run stops once the block in progress ends, and is saved"
@@ -1477,17 +1476,19 @@ def run_training(config, points, env, network, plan, environment, output, checkp
     devices = plural(plan.num_devices, jax.devices()[0].platform + " device")
     memory = f"~{plan.bytes_per_seed * plan.seeds_per_batch / 2**20:.0f} MiB per device"
     grid_text = f"{plural(num_points, 'grid point')} x " if num_points > 1 else ""
-    print(
-        f"{environment['id']}: {grid_text}{plural(config.num_seeds, 'seed')} x "
-        f"{config.total_timesteps} steps on {devices}, {plan.seeds_per_batch} at once per device "
-        f"(padded to {plan.padded_seeds}, {memory})"
-    )
     first = saved = 0 if start is None else int(start[2]["step"][0, -1])
     run = {"config": dataclasses.asdict(config), "points": points}
     run["solved_return"] = environment["solved_return"]
-    progress = Progress(num_agents, first, config.total_timesteps)
     timings = {"checkpoint_time_s": 0.0}
+    # Before the first line: a signal stops the run as asked from the moment one can see it run
+    # (main holds one that comes before, and stops the run once it is written).
     with StopRequest() as stop:
+        print(
+            f"{environment['id']}: {grid_text}{plural(config.num_seeds, 'seed')} x "
+            f"{config.total_timesteps} steps on {devices}, {plan.seeds_per_batch} at once per "
+            f"device (padded to {plan.padded_seeds}, {memory})"
+        )
+        progress = Progress(num_agents, first, config.total_timesteps)  # a terminal's bar, drawn
         blocks = train_agents(config, env, network, config.seed, grid, plan, start, timings)
         for done, carry, metrics in blocks:
             steps, signum = int(metrics["step"][0, -1]), stop.asked()
@@ -1501,6 +1502,8 @@ def run_training(config, points, env, network, plan, environment, output, checkp
                 saved = steps
             if stopping:
                 break
+    if stop.signum and not stopping:  # asked in the last block: the run ended, and stops written
+        signal.raise_signal(stop.signum)  # to the handler of main's written_whole, which holds it
     progress.close()
     speed = num_agents * (steps - first) / max(timings["train_time_s"], 1e-9)
     print(f"compile {timings['compile_time_s']:.1f} s, train {timings['train_time_s']:.1f} s, "
@@ -1772,13 +1775,14 @@ def main(argv: list[str] | None = None) -> None:
             remove_if_empty(output)
             raise
         extra, stopped = {}, None
-    else:
-        out, extra, stopped = run_training(config, points, env, network, plan, environment,
-                                           output, args.checkpoint_every, checkpoint)  # fmt: skip
-    with written_whole():  # from here, a signal waits until the run is written
+    # From the end of training (run_training handles signals until then), a signal waits until
+    # the run is written: no moment between the two where it would lose the trained run.
+    with written_whole():
         if args.load:
             results = [scores(r, solved, config.seed) for r in returns.reshape(len(points), -1)]
         else:
+            trained = (config, points, env, network, plan, environment, output)
+            out, extra, stopped = run_training(*trained, args.checkpoint_every, checkpoint)
             extra["steps_done"] = int(out["metrics"]["step"][0, -1])
             params = out["params"]
             curves = out["metrics"]["eval_return"].reshape(len(points), config.num_seeds, -1)

@@ -1136,6 +1136,32 @@ def test_the_line_to_go_on_when_the_current_folder_was_deleted(tmp_path, monkeyp
     assert (stopped / dqn.CHECKPOINT).exists()
 
 
+@pytest.mark.parametrize("when", ["in the last block", "as training ends"])
+def test_a_signal_as_the_run_ends_waits_until_it_is_written(tmp_path, capsys, monkeypatch, when):
+    """A SIGHUP in the last block (asked to stop, but the run has ended) or just after training,
+    before the writing began, once ended the script unheard (exit 0), or lost the trained run
+    (its folder removed, "unfinished"). Now the run is written whole, then it stops, exit 129."""
+
+    def hang_up(progress, steps=1000, seconds=0.0):  # as Progress.__call__ or Progress.close
+        if steps == 1000:  # the last block's progress line, or its close
+            os.kill(os.getpid(), signal.SIGHUP)
+
+    name = "__call__" if when == "in the last block" else "close"
+    monkeypatch.setattr(dqn.Progress, name, hang_up)
+    previous = {s: signal.signal(s, dqn.stop) for s in (signal.SIGHUP, signal.SIGTERM)}
+    try:  # SIGHUP's handler outside training, as when run as a script
+        with pytest.raises(SystemExit) as exit_info:
+            dqn.main([*TINY_ARGS, "--output-dir", str(tmp_path / "run")])
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 129, err
+    assert err.strip().endswith("stopped by SIGHUP once the run was written whole"), err
+    assert (tmp_path / "run" / "summary.json").exists()
+    assert not (tmp_path / "run" / dqn.CHECKPOINT).exists()  # the run ended
+
+
 def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, capsys, monkeypatch):
     """A closed terminal (SIGHUP; Ctrl-C and SIGTERM alike) mid-training: the block in progress
     ends, the run so far is saved (summary, curves, params, figure and a checkpoint of the whole
@@ -1274,16 +1300,18 @@ def test_a_saved_config_of_other_types_is_refused_as_it_is_read(tmp_path, capsys
 def test_a_second_sigterm_or_sighup_asks_again_and_a_second_ctrl_c_stops_at_once(capsys):
     """A hang-up sends SIGHUP twice (the shell's, then the kernel's), and a cluster's child gets
     SIGTERM from its watcher and from a process group's kill: each is the first request again,
-    and the run is still saved. Only Ctrl-C again stops at once (as outside training)."""
-    at_once = []  # what "at once" would do: the handler from before training, here this one
-    previous = {s: signal.signal(s, lambda n, _: at_once.append(n)) for s in dqn.SIGNALS}
+    and the run is still saved. Only Ctrl-C again stops at once (as outside training), whatever
+    handler was there before training: main's written_whole holds signals, not stops."""
+    held = []  # the handler from before training, here one that holds signals
+    previous = {s: signal.signal(s, lambda n, _: held.append(n)) for s in dqn.SIGNALS}
     try:
         with dqn.StopRequest() as stop:
             for signum in (signal.SIGHUP, signal.SIGHUP, signal.SIGTERM):
                 os.kill(os.getpid(), signum)
-            assert stop.signum == signal.SIGHUP and at_once == []
-            os.kill(os.getpid(), signal.SIGINT)
-            assert at_once == [signal.SIGINT]
+            assert stop.signum == signal.SIGHUP
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+        assert held == []
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
