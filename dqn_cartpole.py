@@ -1595,7 +1595,7 @@ def run_folder(template: str, overwrite: bool) -> str:
 
 
 LOCKED = {}  # folder -> the descriptor whose lock this process holds until it ends
-MADE = {}  # folder -> the parent folders make_folder made for it, nearest first
+MADE = {}  # folder -> the folders make_folder made for it: itself if new, parents nearest first
 FOUND_EMPTY = {}  # folder named outright -> run_folder found it empty (or not there yet)
 
 
@@ -1606,6 +1606,7 @@ def make_folder(folder: str) -> Path:
     if a run that has ended wrote there since run_folder found it empty."""
     path, stamp = Path(folder), time.strftime("%Y-%m-%d_%H-%M-%S")
     new = [p for p in Path(folder.replace("{time}", stamp)).parents if not p.exists()]
+    made = "{time}" in folder or not path.exists()  # a folder of the user's stays theirs
     try:
         if "{time}" not in folder:
             path.mkdir(parents=True, exist_ok=True)
@@ -1632,7 +1633,7 @@ def make_folder(folder: str) -> Path:
         if FOUND_EMPTY.pop(key, False) and any(key.iterdir()):  # a run ended there meanwhile
             os.close(LOCKED.pop(key))
             raise OSError(f"{path} now holds another run's files; --overwrite replaces them")
-    MADE[key] = new
+    MADE[key] = [path, *new] if made else new
     return path
 
 
@@ -1670,8 +1671,9 @@ def check_backend() -> None:
 
 
 def remove_if_empty(folder: Path) -> None:
-    """A stopped run's folder, and the parents made for it, removed if nothing was written."""
-    for path in (folder, *MADE.get(folder.resolve(), [])):
+    """A stopped run's folder and the parents made for it, removed if nothing was written; one
+    that was there before the run stays."""
+    for path in MADE.get(folder.resolve(), []):
         with contextlib.suppress(OSError):  # rmdir removes only an empty folder
             path.rmdir()
 

@@ -58,6 +58,9 @@ def test_a_stopped_run_leaves_no_empty_folder_nor_the_parents_made_for_it(script
     written.touch()
     script.remove_if_empty(written.parent)  # something was written: nothing removed
     assert written.exists()
+    (tmp_path / "mine").mkdir()  # named outright, there before the run: stays, even empty
+    script.remove_if_empty(script.make_folder(str(tmp_path / "mine")))
+    assert (tmp_path / "mine").is_dir()
 
 
 def test_a_folder_that_another_running_run_writes_to_is_refused(script, tmp_path):
