@@ -993,9 +993,9 @@ def saved_config(saved: dict) -> Config:
     return config
 
 
-def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple]:
-    """(Config, grid points, solved return, (blocks done, carry leaves, metrics)) of a run that
-    saved a checkpoint; any problem is a one-line ValueError."""
+def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int]:
+    """(Config, grid points, solved return, (blocks done, carry leaves, metrics), checkpoint
+    cadence) of a run that saved a checkpoint; any problem is a one-line ValueError."""
     if (Path(folder) / "summary.json").exists() and not (Path(folder) / CHECKPOINT).exists():
         raise ValueError(
             f"--resume {folder}: its run has ended (only a stopped run has a checkpoint)"
@@ -1026,9 +1026,12 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple]:
         solved = run.get("solved_return")  # None: the env's own (and in older checkpoints)
         if solved is not None and not (type(solved) in (int, float) and abs(solved) < 3.4e38):
             raise ValueError(f"its solved return {solved!r} is not a finite float32")
+        every = run.get("checkpoint_every", 25_000)  # older checkpoints: the default
+        if type(every) is not int or every < 0:
+            raise ValueError(f"its checkpoint cadence {every!r} is not a whole number >= 0")
     except Exception as error:
         raise ValueError(f"--resume {folder}: no checkpoint to resume from ({error})") from None
-    return config, run["points"], solved, (done, leaves, metrics)
+    return config, run["points"], solved, (done, leaves, metrics), every
 
 
 def read_curves(output: Path, summary: dict) -> dict[str, np.ndarray]:
@@ -1373,10 +1376,8 @@ def build_parser() -> argparse.ArgumentParser:
     resume_help = "continue the run in DIR from its checkpoint, as it was started"
     parser.add_argument("--resume", metavar="DIR", help=resume_help)
     every_help = "also save a checkpoint every STEPS steps, at the end of a block; 0: only when "
-    every_help += "stopped by Ctrl-C, SIGTERM or SIGHUP (default: 25000)"
-    parser.add_argument(
-        "--checkpoint-every", type=int, default=25_000, metavar="STEPS", help=every_help
-    )
+    every_help += "stopped by Ctrl-C, SIGTERM or SIGHUP (default: 25000; --resume: the run's)"
+    parser.add_argument("--checkpoint-every", type=int, metavar="STEPS", help=every_help)
     cluster = parser.add_argument_group("several processes, one JAX cluster (see README)")
     cluster.add_argument("--coordinator-address", metavar="HOST:PORT", help="process 0's address")
     cluster.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
@@ -1478,7 +1479,7 @@ def run_training(config, points, env, network, plan, environment, output, checkp
     grid_text = f"{plural(num_points, 'grid point')} x " if num_points > 1 else ""
     first = saved = 0 if start is None else int(start[2]["step"][0, -1])
     run = {"config": dataclasses.asdict(config), "points": points}
-    run["solved_return"] = environment["solved_return"]
+    run |= {"solved_return": environment["solved_return"], "checkpoint_every": checkpoint_every}
     timings = {"checkpoint_time_s": 0.0}
     # Before the first line: a signal stops the run as asked from the moment one can see it run
     # (main holds one that comes before, and stops the run once it is written).
@@ -1525,7 +1526,7 @@ def parse_command(argv: list[str] | None):
     args = build_parser().parse_args(argv)
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)}
     given = {name: value for name, value in given.items() if value is not None}
-    if args.checkpoint_every < 0:
+    if args.checkpoint_every is not None and args.checkpoint_every < 0:
         raise ValueError("--checkpoint-every must be >= 0")
     for name in ("load", "replot", "resume"):
         if getattr(args, name) == "":  # would read as not given
@@ -1543,9 +1544,11 @@ def parse_command(argv: list[str] | None):
     ):
         if getattr(args, name[2:]) and (rest := [f for f in others if f not in (name, *free)]):
             raise ValueError(f"{name} {what} as it was saved; leave out {rest[0]}")
-    if args.resume:  # the run's own threshold too
-        config, points, args.solved_return, start = load_checkpoint(args.resume)
+    if args.resume:  # the run's own threshold and checkpoint cadence too, unless given
+        config, points, args.solved_return, start, every = load_checkpoint(args.resume)
+        args.checkpoint_every = every if args.checkpoint_every is None else args.checkpoint_every
         return args, config, points, None, start
+    args.checkpoint_every = 25_000 if args.checkpoint_every is None else args.checkpoint_every
     lists = {
         name: given.pop(name, (value,)) for name, value in Config().hparams()._asdict().items()
     }

@@ -1230,6 +1230,10 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
     with np.load(crashed / dqn.CHECKPOINT) as file:  # saved at a multiple of 1,000 steps
         assert int(file["blocks_done"]) in (2, 4, 6), "".join(seen)
     assert not (crashed / "summary.json").exists(), "".join(seen)
+    # --resume saves as often as the run did (it went back to the default of 25,000), or as told
+    assert dqn.parse_command(["--resume", str(crashed)])[0].checkpoint_every == 1000
+    told = ["--resume", str(crashed), "--checkpoint-every", "0"]
+    assert dqn.parse_command(told)[0].checkpoint_every == 0
     dqn.main(["--resume", str(crashed)])
     for name in ("params.msgpack", "curves.csv"):
         assert (crashed / name).read_bytes() == (whole / name).read_bytes(), name
