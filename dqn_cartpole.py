@@ -1824,15 +1824,18 @@ def main(argv: list[str] | None = None) -> None:
             print(wall)
         if stopped:
             steps = f"{extra['steps_done']:,} of {config.total_timesteps:,} steps"
-            try:  # the script's path from here, or absolute where this folder was deleted
-                script = os.path.relpath(__file__)
-            except OSError:
-                script = __file__
-            command = ["python", script, "--resume", str(output)]
-            hint = f"to go on: {shlex.join(command)}"  # to paste into a shell
             print(f"dqn_cartpole.py: stopped by {SIGNALS[stopped]} after {steps}, saved in "
-                  f"{output}/; {hint}", file=sys.stderr)  # fmt: skip
+                  f"{output}/; {resume_hint(output)}", file=sys.stderr)  # fmt: skip
             sys.exit(128 + stopped)
+
+
+def resume_hint(output: Path) -> str:
+    """The command that goes on from the run's checkpoint, to paste into a shell."""
+    try:  # the script's path from here, or absolute where this folder was deleted
+        script = os.path.relpath(__file__)
+    except OSError:
+        script = __file__
+    return f"to go on: {shlex.join(['python', script, '--resume', str(output)])}"
 
 
 class BestEffortStream:
@@ -1961,6 +1964,9 @@ if __name__ == "__main__":
             remove_if_empty(folder)
         signum = interrupt.args[0] if isinstance(interrupt, Stopped) else signal.SIGINT
         unfinished = "unfinished; no file half-written"
+        kept = [folder for folder in LOCKED if (folder / CHECKPOINT).exists()]
+        if kept:  # one saved before (--checkpoint-every, or the one a --resume started from)
+            unfinished += f"; its last checkpoint stays, {resume_hint(kept[0])}"
         message = f"dqn_cartpole.py: stopped by {SIGNALS[signum]}, {unfinished}"
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()

@@ -1341,6 +1341,27 @@ def test_stopped_at_once_before_anything_was_saved_leaves_no_folder(tmp_path):
     assert not folder.exists(), sorted(folder.iterdir())
 
 
+def test_stopped_at_once_says_how_to_go_on_from_the_last_checkpoint(tmp_path):
+    """Ctrl-C twice while a resumed run compiles: it stops at once, unsaved, and the checkpoint
+    it started from stays: the line says so, and how to go on (it said only "unfinished")."""
+    folder = tmp_path / "run"
+    argv = [dqn.__file__, *RESUME_ARGS, "--output-dir", str(folder)]
+    assert run_and_interrupt(argv, signal.SIGTERM, "%  train")[0] == 143  # saved after a block
+    process = subprocess.Popen(
+        [sys.executable, "-u", dqn.__file__, "--resume", str(folder)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    printed = []
+    for line in process.stdout:
+        printed.append(line)
+        if "at once per device" in line or "the run stops once" in line:
+            process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=120) == 130, printed
+    hint = shlex.join(["python", os.path.relpath(dqn.__file__), "--resume", str(folder)])
+    assert printed[-1].strip().endswith(f"its last checkpoint stays, to go on: {hint}"), printed
+    assert (folder / dqn.CHECKPOINT).exists()
+
+
 def test_resume_and_replot_refuse_other_flags_and_a_folder_without_a_checkpoint(tmp_path, capsys):
     for argv, flag in [
         (["--resume", str(tmp_path)], "--resume"),
