@@ -1037,7 +1037,9 @@ def check_backend() -> None:
         try:
             jax.devices()
         except Exception as error:  # a RuntimeError, or an AssertionError for a missing cuda
-            detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+            detail = (
+                str(error).splitlines()[0][:200] if str(error) else "JAX could start no platform"
+            )
             # A cluster's wait for every process's list of devices, timed out:
             if jax.distributed.is_initialized() and "topolog" in detail:
                 detail = detail.partition(" (you may need to uninstall")[0]  # JAX's plugin hint

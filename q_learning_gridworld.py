@@ -895,7 +895,9 @@ def check_backend() -> None:
                      os.environ.get(name)]  # fmt: skip
             if not given:  # neither: JAX's own error, as it is
                 raise
-            detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+            detail = (
+                str(error).splitlines()[0][:200] if str(error) else "JAX could start no platform"
+            )
             fail(f"{', '.join(given)}: no JAX backend ({detail})")
     if caught:  # now to the handler in place again, which stops the run as anywhere else
         signal.raise_signal(caught[0])

@@ -174,7 +174,7 @@ def test_a_jax_platform_this_machine_lacks_is_one_line(script, tmp_path, variabl
     )
     err = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(err) == 1, err
-    assert f"{variable}={value!r}" in err[0], err
+    assert f"{variable}={value!r}" in err[0] and "AssertionError" not in err[0], err  # JAX's
     assert not output.exists()
 
 
