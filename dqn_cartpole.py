@@ -1588,6 +1588,9 @@ def run_folder(template: str, overwrite: bool) -> str:
             "writes: name a new or empty folder, or one that holds a run (--overwrite)"
         )
     if held and not overwrite:
+        if CHECKPOINT in {path.name for path in held}:  # stopped: the user may want it back
+            raise ValueError(f"--output-dir {template} holds a stopped run: --resume "
+                             f"{template} goes on with it, --overwrite replaces it")  # fmt: skip
         raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")
     # make_folder looks again once it holds the lock: a run may end there meanwhile.
     try:  # a current folder deleted, or a symbolic link to itself: resolve() raises

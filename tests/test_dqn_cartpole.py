@@ -697,6 +697,7 @@ def test_a_signal_to_process_1_stops_and_saves_the_whole_run(tmp_path):
     ("held", "argv", "problem"),
     [
         (["summary.json"], [], "already holds a run"),
+        (["summary.json", "checkpoint.npz"], [], "holds a stopped run: --resume"),
         (["summary.json", "notes.txt"], ["--overwrite"], "holds notes.txt, which no"),
         (["notes.txt"], [], "holds notes.txt, which no"),  # not "holds a run"
     ],
