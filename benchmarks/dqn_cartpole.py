@@ -15,7 +15,6 @@ own process, so that XLA_FLAGS can differ, and the three alternate, so that a ma
 slows down for a while slows all of them. Prints each run, the medians and the ratios.
 """
 
-import argparse
 import dataclasses
 import os
 import re
@@ -87,7 +86,8 @@ def main() -> None:
     parser.add_argument("--num-agents", type=cli.count, default=64, help="agents trained at once")
     parser.add_argument("--repeats", type=cli.count, default=3, help="alternating rounds; medians")
     parser.add_argument("--one-core", action="store_true", help="also both sides on one core")
-    parser.add_argument("--ours", action="store_true", help=argparse.SUPPRESS)  # a child run
+    ours_help = "only ours, once, at the given size, in this process (as each measured run starts)"
+    parser.add_argument("--ours", action="store_true", help=ours_help)
     args = parser.parse_args()
     size = ["--timesteps", str(args.timesteps), "--num-agents", str(args.num_agents)]
     if args.ours:

@@ -67,7 +67,9 @@ def run(script: str, args: list[str], processes: int, output: str) -> tuple[floa
 
 def main() -> None:
     parser = cli.parser(__doc__)
-    parser.add_argument("script", choices=["dqn_cartpole.py", "parallel_q_learning.py"])
+    script_help = "the script to run; its own arguments follow its name"
+    parser.add_argument("script", choices=["dqn_cartpole.py", "parallel_q_learning.py"],
+                        help=script_help)  # fmt: skip
     parser.add_argument("--repeats", type=cli.count, default=3, help="alternating rounds; medians")
     known, script_args = parser.parse_known_args()
     layouts = {"1 process x 2 devices": 1, "2 processes x 1 device": 2}
