@@ -714,7 +714,9 @@ def train_agents(config: Config, env, network, seed: int, grid: HParams, plan: S
         wanted = shapes._replace(key=jax.eval_shape(jax.random.key_data, shapes.key))
         wanted = [(x.shape[1:], x.dtype) for x in jax.tree.leaves(wanted)]
         if [(x.shape[1:], x.dtype) for x in leaves] != wanted:
-            sys.exit("dqn_cartpole.py: error: --resume: the checkpoint does not fit its own config")
+            print("dqn_cartpole.py: error: --resume: the checkpoint does not fit its own config",
+                  file=sys.stderr)  # fmt: skip
+            sys.exit(2)  # bad input, as every other
         sharding = NamedSharding(mesh, spec)
         leaves = [x[agent] for x in leaves]
         leaves = [jax.make_array_from_callback(x.shape, sharding, x.__getitem__) for x in leaves]

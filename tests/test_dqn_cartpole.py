@@ -1188,8 +1188,10 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
     damaged.mkdir()
     for leaf in (arrays["carry_0"].astype(np.float64), arrays["carry_0"][..., None]):
         np.savez(damaged / dqn.CHECKPOINT, **{**arrays, "carry_0": leaf})
-        with pytest.raises(SystemExit, match="the checkpoint does not fit its own config"):
+        with pytest.raises(SystemExit) as exit_info:
             dqn.main(["--resume", str(damaged)])  # before the block compiles, not a traceback
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "checkpoint does not fit its own config" in err, err
     held = os.open(stopped, os.O_RDONLY)
     fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a run that still writes there
     with pytest.raises(SystemExit):
