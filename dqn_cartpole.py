@@ -464,6 +464,7 @@ import socket
 import subprocess
 import sys
 import time
+import zipfile
 import zlib
 from pathlib import Path
 
@@ -999,10 +1000,16 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int
     """(Config, grid points, solved return, (blocks done, carry leaves, metrics), checkpoint
     cadence) of a run that saved a checkpoint; any problem is a one-line ValueError."""
     if (Path(folder) / "summary.json").exists() and not (Path(folder) / CHECKPOINT).exists():
+        try:  # another script's run, say
+            saved_config(json.loads((Path(folder) / "summary.json").read_text())["config"])
+        except Exception as error:
+            raise ValueError(f"--resume {folder}: not a run of dqn_cartpole.py ({error})") from None
         raise ValueError(
             f"--resume {folder}: its run has ended (only a stopped run has a checkpoint)"
         )
     try:
+        if not zipfile.is_zipfile(Path(folder) / CHECKPOINT):  # np.load would try a pickle
+            raise ValueError(f"{CHECKPOINT} is not an .npz archive")
         with np.load(Path(folder) / CHECKPOINT) as file:
             run = json.loads(str(file["run"]))
             num_leaves = sum(name.startswith("carry_") for name in file.files)

@@ -1378,9 +1378,11 @@ def test_resume_and_replot_refuse_other_flags_and_a_folder_without_a_checkpoint(
         # how often to save, and a cluster's flags, are this command's: on to the checkpoint
         (["--resume", str(tmp_path), "--checkpoint-every", "7"], "no checkpoint to resume"),
         (["--resume", str(tmp_path / "finished")], "its run has ended"),
+        (["--resume", str(tmp_path / "gridworld")], "not a run of dqn_cartpole.py ("),
     ]:
-        (tmp_path / "finished").mkdir(exist_ok=True)
-        (tmp_path / "finished" / "summary.json").write_text("{}")  # and no checkpoint
+        for name, config in (("finished", {}), ("gridworld", {"layout": "four_rooms"})):
+            (tmp_path / name).mkdir(exist_ok=True)  # a summary, and no checkpoint
+            (tmp_path / name / "summary.json").write_text(json.dumps({"config": config}))
         with pytest.raises(SystemExit) as exit_info:
             dqn.main(argv)
         err = capsys.readouterr().err.strip()
@@ -1424,3 +1426,6 @@ def test_a_checkpoint_that_does_not_hold_together_is_one_line(tmp_path):
     ):
         with pytest.raises(ValueError, match="no checkpoint to resume from"):
             dqn.load_checkpoint(path)
+    (tmp_path / dqn.CHECKPOINT).write_bytes(os.urandom(1000))  # np.load: "allow_pickle=..."
+    with pytest.raises(ValueError, match=r"\(checkpoint.npz is not an .npz archive\)$"):
+        dqn.load_checkpoint(str(tmp_path))
