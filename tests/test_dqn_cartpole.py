@@ -1325,14 +1325,11 @@ def test_a_second_sigterm_or_sighup_asks_again_and_a_second_ctrl_c_stops_at_once
     assert capsys.readouterr().err.count("Ctrl-C again to stop at once") == 1
 
 
-def test_stopped_at_once_before_anything_was_saved_leaves_no_folder(tmp_path):
-    """Ctrl-C twice while the first block compiles: the second stops the run at once (exit 130,
-    no traceback), and its folder, still empty, is removed. The first block is long (50k steps),
-    so that the second signal comes before it ends even on a busy machine."""
-    folder = tmp_path / "run"
-    args = [*RESUME_ARGS, "--total-timesteps", "100000", "--eval-every", "50000"]  # the last wins
+def ctrl_c_twice(argv: list[str]) -> tuple[int, list[str]]:
+    """The script run with argv, Ctrl-C as it starts training and again once it says it will
+    stop after the block -> (exit code, lines printed)."""
     process = subprocess.Popen(
-        [sys.executable, "-u", dqn.__file__, *args, "--output-dir", str(folder)],
+        [sys.executable, "-u", dqn.__file__, *argv],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     printed = []
@@ -1340,7 +1337,17 @@ def test_stopped_at_once_before_anything_was_saved_leaves_no_folder(tmp_path):
         printed.append(line)
         if "at once per device" in line or "the run stops once" in line:
             process.send_signal(signal.SIGINT)
-    assert process.wait(timeout=120) == 130 and "Traceback" not in "".join(printed), printed
+    return process.wait(timeout=120), printed
+
+
+def test_stopped_at_once_before_anything_was_saved_leaves_no_folder(tmp_path):
+    """Ctrl-C twice while the first block compiles: the second stops the run at once (exit 130,
+    no traceback), and its folder, still empty, is removed. The first block is long (50k steps),
+    so that the second signal comes before it ends even on a busy machine."""
+    folder = tmp_path / "run"
+    args = [*RESUME_ARGS, "--total-timesteps", "100000", "--eval-every", "50000"]  # the last wins
+    code, printed = ctrl_c_twice([*args, "--output-dir", str(folder)])
+    assert code == 130 and "Traceback" not in "".join(printed), printed
     assert not folder.exists(), sorted(folder.iterdir())
 
 
@@ -1350,16 +1357,8 @@ def test_stopped_at_once_says_how_to_go_on_from_the_last_checkpoint(tmp_path):
     folder = tmp_path / "run"
     argv = [dqn.__file__, *RESUME_ARGS, "--output-dir", str(folder)]
     assert run_and_interrupt(argv, signal.SIGTERM, "%  train")[0] == 143  # saved after a block
-    process = subprocess.Popen(
-        [sys.executable, "-u", dqn.__file__, "--resume", str(folder)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    printed = []
-    for line in process.stdout:
-        printed.append(line)
-        if "at once per device" in line or "the run stops once" in line:
-            process.send_signal(signal.SIGINT)
-    assert process.wait(timeout=120) == 130, printed
+    code, printed = ctrl_c_twice(["--resume", str(folder)])
+    assert code == 130, printed
     hint = shlex.join(["python", os.path.relpath(dqn.__file__), "--resume", str(folder)])
     assert printed[-1].strip().endswith(f"its last checkpoint stays, to go on: {hint}"), printed
     assert (folder / dqn.CHECKPOINT).exists()
