@@ -157,9 +157,10 @@ def plot(bench: dict, path: Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     repeats, jax_version = bench["args"]["repeats"], bench["versions"]["jax"]
+    runs = f"{repeats} run{'s' * (repeats != 1)}"
     fig.text(0.01, 0.01, fontsize=7.5, va="bottom", s=(
         f"{bench['machine']}, {len(bench['devices'])} {bench['devices'][0].split(':')[0]} devices; "
-        f"{bench['date']}; jax {jax_version}; {repeats} runs each, compile excluded.\n"
+        f"{bench['date']}; jax {jax_version}; {runs} each, compile excluded.\n"
         "The dip at 4 agents: vmap over a handful of agents pays for batched gathers and "
         "scatters\nwithout enough agents to fill them; one jitted agent has none."
     ))  # fmt: skip
