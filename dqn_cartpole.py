@@ -1047,7 +1047,10 @@ def read_curves(output: Path, summary: dict) -> dict[str, np.ndarray]:
     """curves.csv as arrays [grid points, seeds, evaluations] (NaN for an empty cell)."""
     with open(output / "curves.csv") as file:
         rows = list(csv.DictReader(file))
-    shape = (len(summary.get("grid", [None])), summary["config"]["num_seeds"], -1)
+    num_seeds = summary["config"]["num_seeds"]
+    if sorted({int(row["seed"]) for row in rows}) != list(range(num_seeds)):  # none, or edited
+        raise ValueError(f"curves.csv does not hold the summary's {num_seeds} seeds")
+    shape = (len(summary.get("grid", [None])), num_seeds, -1)
     number = lambda text: float(text) if text else np.nan  # noqa: E731
     curves = {name: np.array([number(r[name]) for r in rows]).reshape(shape) for name in CURVES}
     if (curves["step"] != curves["step"][:1, :1]).any():  # rows cut off or mixed up

@@ -1248,9 +1248,15 @@ def test_curves_cut_short_are_refused_not_drawn(tmp_path):
     summary = {"config": {"num_seeds": 2}}
     (tmp_path / "curves.csv").write_text("\n".join(rows))
     assert dqn.read_curves(tmp_path, summary)["step"].shape == (1, 2, 2)
-    (tmp_path / "curves.csv").write_text("\n".join(rows[:3]))  # seed 0's rows only
+    (tmp_path / "curves.csv").write_text("\n".join([*rows[:4], "1,1000,30,12,0.4"]))  # mixed
     with pytest.raises(ValueError, match="the same evaluations for every seed"):
         dqn.read_curves(tmp_path, summary)
+    # Seed 0's rows only, a summary edited to one seed (drawn as one seed going back to step
+    # 0), no rows (a TypeError deep in matplotlib): each refused, naming the seeds.
+    for text, num_seeds in (rows[:3], 2), (rows, 1), (rows[:1], 2):
+        (tmp_path / "curves.csv").write_text("\n".join(text))
+        with pytest.raises(ValueError, match=f"hold the summary's {num_seeds} seeds"):
+            dqn.read_curves(tmp_path, {"config": {"num_seeds": num_seeds}})
 
 
 def test_load_refuses_params_of_other_agents_than_the_summary_says(tmp_path, capsys):
