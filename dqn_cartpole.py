@@ -889,6 +889,7 @@ def atomic_open(path: Path, mode: str = "w"):
         temporary(path).unlink(missing_ok=True)
         if isinstance(error, OSError):
             reason = error.strerror or error  # no file name: the temporary one
+            remove_if_empty(path.parent)  # the run's folder, if this was to be its first file
             sys.exit(f"dqn_cartpole.py: error: cannot write {path} ({reason})")
         raise
 

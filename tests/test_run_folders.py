@@ -133,6 +133,14 @@ def test_a_write_that_fails_is_one_line_and_leaves_no_temporary_file(script, tmp
         message = str(exit_info.value.code)
         assert message.startswith(f"{script.__name__}.py: error: cannot write {tmp_path / name}")
         assert "\n" not in message and sorted(p.name for p in tmp_path.iterdir()) == ["in_the_way"]
+    run = script.make_folder(str(tmp_path / "run"))  # its first file fails: no empty folder left
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1_000, hard))
+    try:
+        with pytest.raises(SystemExit), script.atomic_open(run / "summary.json") as file:
+            file.write("x" * 10_000)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert not run.exists()
 
 
 def test_a_signal_while_writing_waits_until_the_run_is_written(script, tmp_path):
