@@ -52,8 +52,8 @@ class Config:
     seed: int = option(0, "base random seed; agent i uses fold_in(key(seed), i)")
     output_dir: str = option("runs/q_learning_gridworld_{time}", "run folder; {time}: its start")
     max_episode_steps: int = option(0, "truncate an episode after this many steps (0: never)")
-    # Large on purpose: one call to jax.random.bits has a fixed cost, which a large block
-    # spreads over many steps (README). check_memory allows 24 bytes a step a seed for it.
+    # Large: one jax.random.bits call has a fixed cost, spread over many steps (README). Another
+    # size cuts the random stream elsewhere: other draws. check_memory counts 24 B a step a seed.
     steps_per_block: int = option(100_000, "steps whose random numbers are drawn in one call")
     num_curve_points: int = option(10, "points on the learning curve (at most one per block)")
     num_recorded_episodes: int = option(500, "the first episodes whose lengths are recorded")
@@ -229,7 +229,7 @@ class EpisodeStats(NamedTuple):
 
     episodes: jax.Array  # int32 episodes that ended (terminated or truncated)
     length_sum: jax.Array  # int32 sum of their lengths
-    return_sum: jax.Array  # float32 sum of their (undiscounted) returns
+    return_sum: jax.Array  # int32 sum of their (undiscounted) returns: 1 a goal, 0 a time limit
 
 
 class StepCarry(NamedTuple):
@@ -239,7 +239,7 @@ class StepCarry(NamedTuple):
     env_state: EnvState
     obs: jax.Array  # int32 cell index the agent sees
     episodes: jax.Array  # int32 episodes ended so far
-    reward_sum: jax.Array  # float32 rewards collected in the current block
+    goals: jax.Array  # int32 goals reached so far (a float32 sum would stop at 2^24)
     # [num_recorded_episodes] int32 length of episode i, for the first episodes (0: not ended)
     episode_lengths: jax.Array
 
@@ -284,7 +284,7 @@ def make_train(config: Config, env: GridWorld | None = None):
             env_state=env_state,
             obs=obs,
             episodes=carry.episodes + done,
-            reward_sum=carry.reward_sum + reward,
+            goals=carry.goals + terminated,
             episode_lengths=carry.episode_lengths.at[record_at].set(length, mode="drop"),
         ), None
 
@@ -292,17 +292,17 @@ def make_train(config: Config, env: GridWorld | None = None):
         """`steps` steps, their randomness drawn in one call, their stats to curve `point`."""
         rng, block_rng = jax.random.split(carry.rng)
         bits = jax.random.bits(block_rng, (steps,), jnp.uint32)  # [steps]
-        before = carry.step._replace(reward_sum=jnp.float32(0.0))
+        before = carry.step
         # No unroll on purpose: unrolling this scan made it slower on CPU (measured: see README).
         after, _ = jax.lax.scan(agent_env_step, before, bits)
         # Episode lengths cost nothing per step: a block's steps are those of the episodes that
         # ended in it, plus the running episode's steps at its end, minus those it had at its
-        # start. Returns likewise, simpler: GridWorld's only reward ends an episode, so a
-        # block's rewards are exactly the returns of the episodes that ended in it.
+        # start. Returns likewise, simpler: GridWorld's only reward, 1, ends an episode, so the
+        # returns of the episodes that ended in a block add up to the goals reached in it.
         stats = EpisodeStats(
             episodes=after.episodes - before.episodes,
             length_sum=steps + before.env_state.time - after.env_state.time,
-            return_sum=after.reward_sum,
+            return_sum=after.goals - before.goals,
         )
         curve = jax.tree.map(lambda c, s: c.at[point].add(s), carry.curve, stats)
         return BlockCarry(step=after, curve=curve, rng=rng), None
@@ -314,13 +314,13 @@ def make_train(config: Config, env: GridWorld | None = None):
             env_state=env_state,
             obs=obs,
             episodes=jnp.int32(0),
-            reward_sum=jnp.float32(0.0),
+            goals=jnp.int32(0),
             episode_lengths=jnp.zeros(config.num_recorded_episodes, jnp.int32),
         )
         curve = EpisodeStats(
             episodes=jnp.zeros(num_points, jnp.int32),
             length_sum=jnp.zeros(num_points, jnp.int32),
-            return_sum=jnp.zeros(num_points, jnp.float32),
+            return_sum=jnp.zeros(num_points, jnp.int32),
         )
         carry = BlockCarry(step=step, curve=curve, rng=rng)
         whole_blocks = functools.partial(run_block, config.steps_per_block)
