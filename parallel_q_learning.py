@@ -11,9 +11,8 @@ returns a pure `train(rng, hparams)`, with the hyperparameters as data, so
     jax.jit(jax.vmap(train, in_axes=(0, None)))(keys, hparams)  # many seeds of one setting
     make_sweep(train)(keys, grid)                               # seeds x a whole grid
 
-are single XLA programs. main() runs that make_sweep with the seeds split over all devices,
-then checks each grid point against exact value iteration. Above the appendix line is the
-algorithm; below it, running it at scale and reporting.
+are single XLA programs. Below the algorithm, the appendix runs that make_sweep with the
+seeds split over all devices, then checks each grid point against exact value iteration.
 """
 
 import dataclasses
@@ -64,7 +63,7 @@ class Config:
     gammas: tuple[float, ...] = option((0.9,), "comma-separated, each in [0, 1)")
     max_episode_steps: int = option(0, "time limit (truncation, still bootstraps); 0 = none")
     num_curve_points: int = option(50, "points per learning curve (memory does not grow)")
-    # Short: a block's random bits for thousands of agents stay in cache (measured: see README).
+    # Short: thousands of agents' bits stay in cache (README). Another size, other draws.
     rng_block_steps: int = option(100, "steps whose random bits are drawn at once")
     agents_per_chunk: int = option(0, "agents a device trains at once; 0: cache-sized on CPU")
     output_dir: str = option("runs/parallel_q_learning_{time}", "run folder; {time}: its start")
@@ -146,10 +145,9 @@ class GridWorld:
         reached = jnp.asarray(self.next_cell)[state.cell, action]
         terminated = reached == self.goal
         time = state.time + 1
-        if self.max_episode_steps > 0:
+        truncated = jnp.bool_(False)
+        if self.max_episode_steps > 0:  # Python-level: no time-limit code when there is no limit
             truncated = (time >= self.max_episode_steps) & ~terminated
-        else:
-            truncated = jnp.bool_(False)
         done = terminated | truncated
         obs = jnp.where(done, self.start, reached)
         state = EnvState(cell=obs, time=jnp.where(done, 0, time))
@@ -281,7 +279,7 @@ def make_schedule(config: Config) -> Schedule:
 class Curve(NamedTuple):
     """One entry per curve point, measured at its end: [points] per agent."""
 
-    episodes: jax.Array  # goals reached during the interval
+    episodes: jax.Array  # episodes ended during the interval (at G or the time limit)
     greedy_path_length: jax.Array  # greedy S -> G steps (num_cells: never arrives)
     start_value: jax.Array  # max_a Q(S, a), to compare with V*(S)
 
@@ -295,7 +293,7 @@ class Carry(NamedTuple):
     q: jax.Array  # [cells, actions] float32
     env_state: EnvState
     obs: jax.Array
-    episodes: jax.Array  # goals reached since the last curve point
+    episodes: jax.Array  # episodes ended since the last curve point
     key: jax.Array
 
 
@@ -317,14 +315,16 @@ def make_train(
 
         def agent_step(carry: Carry, bits: jax.Array) -> tuple[Carry, None]:
             action = epsilon_greedy(carry.q[carry.obs], bits, threshold)
-            obs, env_state, reward, terminated, _, info = env.step(None, carry.env_state, action)
+            obs, state, reward, terminated, truncated, info = env.step(
+                None, carry.env_state, action
+            )
             reached = info["final_observation"]  # the true next cell, before any reset
+            lr, gamma = hparams.learning_rate, hparams.gamma
             q = q_learning_update(
-                carry.q, carry.obs, action, reward, terminated, reached, hparams.learning_rate,
-                hparams.gamma,
-            )  # fmt: skip
-            episodes = carry.episodes + terminated
-            return carry._replace(q=q, env_state=env_state, obs=obs, episodes=episodes), None
+                carry.q, carry.obs, action, reward, terminated, reached, lr, gamma
+            )
+            episodes = carry.episodes + (terminated | truncated)
+            return carry._replace(q=q, env_state=state, obs=obs, episodes=episodes), None
 
         def run_block(steps: int, carry: Carry, _) -> tuple[Carry, None]:
             key, block_key = jax.random.split(carry.key)

@@ -308,6 +308,14 @@ def test_env_terminates_at_goal_truncates_and_resets():
     assert not bool(terminated) and float(reward) == 0.0
 
 
+def test_episodes_count_those_the_time_limit_ends_too():
+    """A time limit of 5 steps on the 18-step map: no episode reaches G, every one is cut
+    after 5 steps, so 3,000 steps make 600 episodes (the count once read 0: goals only)."""
+    config = dataclasses.replace(SMALL, max_episode_steps=5, num_curve_points=3)
+    result = jax.jit(pq.make_train(config))(jax.random.key(0), pq.HParams(0.1, 0.1, 0.9))
+    np.testing.assert_array_equal(result.curve.episodes, [200, 200, 200])
+
+
 def test_epsilon_greedy_breaks_ties_uniformly_and_explores():
     high = jnp.arange(1 << 16, dtype=jnp.uint32) << pq.LOW_BITS  # every value of the high field
     q_s = jnp.array([0.0, 1.0, 0.0, 1.0])
