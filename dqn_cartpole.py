@@ -70,6 +70,7 @@ class Config:
     epsilon_end: float = option(0.05, "exploration rate after the linear decay")
     exploration_fraction: float = option(0.1, "share of total_timesteps the decay lasts")
     double_dqn: bool = option(True, "Double DQN target: online net picks, target net rates")
+    # Also how training's keys are cut (one split a block): another value draws other numbers.
     eval_every: int = option(5_000, "environment steps between greedy evaluations")
     eval_episodes: int = option(10, "fresh episodes per greedy evaluation (epsilon 0)")
     env: str = option("cartpole", "cartpole (ours), gymnax (its CartPole-v1) or gymnax:<id>")
@@ -268,13 +269,11 @@ class AgentState(NamedTuple):
 
 
 def td_target(reward, terminated, next_q_target, next_q_online, gamma: float):
-    """r + gamma * Q(s', a') unless s' is terminal; next_q_online None: plain DQN. A truncated s'
-    still bootstraps: the time limit is not part of the task, the episode was not over."""
-    if next_q_online is not None:  # Double DQN (van Hasselt 2016): online picks, target rates
-        best = jnp.argmax(next_q_online, axis=-1)
-        next_value = jnp.take_along_axis(next_q_target, best[..., None], axis=-1)[..., 0]
-    else:
-        next_value = jnp.max(next_q_target, axis=-1)
+    """r + gamma * Q_target(s', a') unless s' is terminal; a' is the online net's pick (Double DQN,
+    van Hasselt 2016), or with next_q_online None the target net's own (plain DQN: its max). A
+    truncated s' still bootstraps: the time limit is not part of the task, the episode goes on."""
+    best = jnp.argmax(next_q_target if next_q_online is None else next_q_online, axis=-1)
+    next_value = jnp.take_along_axis(next_q_target, best[..., None], axis=-1)[..., 0]
     return reward + gamma * (1.0 - terminated) * next_value
 
 
@@ -292,12 +291,13 @@ def dqn_loss(params, target_params, apply_fn, batch: Transition, gamma: float, d
 def greedy_episodes(key, params, env, network: QNetwork, num_episodes: int, keep_obs=False):
     """The returns [episodes] of fresh greedy (epsilon 0) episodes side by side, each for the full
     time limit, steps after its end masked; `keep_obs`: also (obs, alive) [steps, episodes, ...]."""
-    obs, state = jax.vmap(env.reset)(jax.random.split(key, num_episodes))  # [episodes, obs]
+    keys = jax.random.split(key, num_episodes + 1)  # one per episode's reset, one for the steps
+    obs, state = jax.vmap(env.reset)(keys[:-1])  # [episodes, obs]
     max_steps = int(env.default_params.max_steps_in_episode)  # a float in gymnax's bandits
 
-    def eval_step(carry, t):
+    def eval_step(carry, step_key):
         obs, state, alive, total = carry
-        keys = jax.random.split(jax.random.fold_in(key, t), num_episodes)
+        keys = jax.random.split(step_key, num_episodes)
         action = jnp.argmax(network.apply(params, obs), axis=-1)  # [episodes]
         next_obs, state, reward, terminated, truncated, _ = jax.vmap(env.step)(keys, state, action)
         total = total + reward * alive
@@ -305,7 +305,7 @@ def greedy_episodes(key, params, env, network: QNetwork, num_episodes: int, keep
         return carry, ((obs, alive) if keep_obs else None)
 
     init = (obs, state, jnp.ones(num_episodes, bool), jnp.zeros(num_episodes, jnp.float32))
-    (_, _, _, total), seen = jax.lax.scan(eval_step, init, jnp.arange(max_steps))
+    (_, _, _, total), seen = jax.lax.scan(eval_step, init, jax.random.split(keys[-1], max_steps))
     return (total, seen) if keep_obs else total
 
 

@@ -286,6 +286,42 @@ def test_greedy_episodes_give_each_step_and_episode_its_own_key():
     assert 0.25 < returns.sum() / lengths.sum() < 0.75
 
 
+class KeyLog(dqn.CartPole):
+    """CartPole that notes the key of each reset and step it is given (an auto-reset inside a
+    step is the step's), in episodes of 20 steps."""
+
+    default_params = dqn.EnvParams(max_steps_in_episode=20)
+
+    def __init__(self):
+        self.keys, self.stepping = {"reset": [], "step": []}, False
+
+    def reset(self, key, params=None):
+        if not self.stepping:
+            jax.debug.callback(self.keys["reset"].append, jax.random.key_data(key))
+        return super().reset(key, params)
+
+    def step(self, key, state, action, params=None):
+        jax.debug.callback(self.keys["step"].append, jax.random.key_data(key))
+        self.stepping = True  # while tracing, not running: a Python flag does it
+        out = super().step(key, state, action, params)
+        self.stepping = False
+        return out
+
+
+def test_greedy_episodes_draw_resets_and_steps_from_keys_apart():
+    """No step of an evaluation draws from an episode's reset key or a key split from it. (The
+    steps' keys came from fold_in(key, t), which is split(key, n)[t]: episode t's reset key.)"""
+    env, network = KeyLog(), dqn.QNetwork((16,), 2)
+    params = network.init(jax.random.key(0), jnp.zeros(4))
+    jax.block_until_ready(dqn.greedy_episodes(jax.random.key(1), params, env, network, 4))
+    resets, steps = (np.reshape(env.keys[name], (-1, 2)) for name in ("reset", "step"))
+    assert resets.shape == (4, 2) and steps.shape == (20 * 4, 2)
+    split = jax.vmap(lambda key: jax.random.split(key, 4))(jax.random.wrap_key_data(resets))
+    family = {tuple(k) for k in np.concatenate([resets, jax.random.key_data(split).reshape(-1, 2)])}
+    assert not family & {tuple(k) for k in steps}
+    assert len({tuple(k) for k in steps}) == len(steps)  # and no step shares one with another
+
+
 def test_make_train_refuses_another_env_named_but_not_given():
     with pytest.raises(ValueError, match="pass the env"):
         dqn.make_train(dataclasses.replace(TINY, env="gymnax:Acrobot-v1"))
