@@ -948,7 +948,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config | Path, dict]:
 def run_folder(template: str, overwrite: bool) -> str:
     """The run's folder, checked (a `{time}` name is new: make_folder picks it). A folder named
     outright that already holds files is refused, unless --overwrite, which replaces what a run
-    wrote there (see clear_folder) and refuses a folder that holds anything else (a folder, a
+    wrote there (see replacing) and refuses a folder that holds anything else (a folder, a
     file of another name). ValueError('--flag ...')."""
     if not template:  # "" would write into the current folder
         raise ValueError("--output-dir must name a folder, not be empty")
@@ -962,7 +962,7 @@ def run_folder(template: str, overwrite: bool) -> str:
         raise ValueError(f"--output-dir {template} is not a folder") from None
     except OSError:  # no such folder yet (it is made later), or a name the OS refuses
         held = []
-    ours = {*RUN_NAMES, *(temporary(Path(name)).name for name in RUN_NAMES)}
+    ours = {*RUN_NAMES, *(f(Path(name)).name for name in RUN_NAMES for f in (temporary, set_aside))}
     if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
         raise ValueError(
             f"--output-dir {template} holds {foreign[0]}, which no run of this script "
@@ -1021,12 +1021,32 @@ def make_folder(folder: str) -> Path:
     return path
 
 
-def clear_folder(folder: Path) -> None:
-    """Just before writing, remove a previous run's files, and nothing else: a file put there
-    meanwhile stays."""
-    for name in RUN_NAMES:
-        for path in (folder / name, temporary(folder / name)):
-            path.unlink(missing_ok=True)
+def set_aside(path: Path) -> Path:
+    """Where --overwrite keeps a previous run's file while the new run is written."""
+    return path.with_name(f".{path.stem}.old{path.suffix}")
+
+
+@contextlib.contextmanager
+def replacing(folder: Path):
+    """Writes a run over a previous run's files (--overwrite), and nothing else: a file put there
+    meanwhile stays. The previous files, renamed aside (no space needed), stay until the new
+    run is written whole; if a write fails (a full disk, say), they are put back as they were."""
+    paths = [folder / name for name in RUN_NAMES]
+    for path in paths:  # first what a write cut short (a crash) left
+        temporary(path).unlink(missing_ok=True)
+        set_aside(path).unlink(missing_ok=True)
+        if path.exists():
+            os.replace(path, set_aside(path))
+    try:
+        yield
+    except BaseException:
+        for path in paths:
+            path.unlink(missing_ok=True)  # the new run's
+            if set_aside(path).exists():
+                os.replace(set_aside(path), path)
+        raise
+    for path in paths:
+        set_aside(path).unlink(missing_ok=True)
 
 
 def check_backend() -> None:
@@ -1276,8 +1296,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     if jax.process_index() > 0:  # process 0 writes the results of every process
         return
-    with written_whole():  # a run that --overwrite replaces stays whole until now
-        clear_folder(output)
+    with written_whole(), replacing(output):  # the run --overwrite replaces stays till now
         save_run(output, summary, config, result)
         plot_run(output)
     print(
