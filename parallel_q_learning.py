@@ -71,8 +71,8 @@ class Config:
     def __post_init__(self):
         # The ranges, checked here so make_train never sees them wrong (make_env checks the map).
         for name in ("total_timesteps", "num_seeds", "num_curve_points", "rng_block_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, f"must be at least 1, got {getattr(self, name)}")
+            if not 1 <= getattr(self, name) < 2**31:  # int32 counters: episodes, steps
+                raise ConfigError(name, f"must be in [1, 2^31), got {getattr(self, name)}")
         for name in ("max_episode_steps", "agents_per_chunk"):
             if not 0 <= getattr(self, name) < 2**31:  # int32 in the compiled program
                 raise ConfigError(name, f"must be in [0, 2^31), got {getattr(self, name)}")

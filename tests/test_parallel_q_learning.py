@@ -362,6 +362,13 @@ def test_memory_refusal_names_the_flag(monkeypatch):
     monkeypatch.setattr(pq, "grid_points", lambda config: pytest.fail("built the grid"))
     with pytest.raises(pq.ConfigError, match="--num-seeds: .* x 1000000000 grid points"):
         pq.validate(config, pq.make_schedule(config))
+    # One agent's block of random bits over half the memory (here 8 GiB of a CPU): named.
+    monkeypatch.setattr(pq.jax, "default_backend", lambda: "cpu")
+    pages = {"SC_PHYS_PAGES": 2**21, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(pq.os, "sysconf", pages.get)
+    config = pq.Config(rng_block_steps=2**30, total_timesteps=2**30)
+    with pytest.raises(pq.ConfigError, match="--rng-block-steps: one agent needs about 8.6 GB"):
+        pq.validate(config, pq.make_schedule(config))
 
 
 # Port 9 (discard) on this machine: nobody listens there.
@@ -383,7 +390,6 @@ CLUSTER = ["--coordinator-address", "127.0.0.1:9", "--num-processes", "2"]
         (["--layout", "no_such_layout"], "--layout"),
         (["--num-seeds", "1000000000"], "--num-seeds"),
         # 8 TB for one agent: more than any machine has, so the agent itself is refused
-        (["--rng-block-steps", str(10**12), "--total-timesteps", str(10**12)], "--rng-block"),
         (["--num-seeds", "many"], "--num-seeds"),
         (["--no-such-flag"], "--no-such-flag"),
         (["--layout", "/no/such/map.txt"], "--layout"),
@@ -409,6 +415,7 @@ CLUSTER = ["--coordinator-address", "127.0.0.1:9", "--num-processes", "2"]
         (["--cluster-timeout", "nan"], "--cluster-timeout"),  # given alone, checked all the same
         (["--coordinator-address", "x:99999", "--num-processes", "2", "--process-id", "0"], "HOST"),
         (["--max-episode-steps", str(2**31)], "--max-episode-steps"),  # int32 counters
+        (["--total-timesteps", str(2**31)], "--total-timesteps"),  # an episode count went negative
         (["--gammas", "0.9,0.9"], "--gammas"),  # two grid points the same
         (["--gammas", "0.99999999999"], "--gammas"),  # 1.0 as a float32
         (["--gammas", "0.9,0.9000000001"], "--gammas"),  # the same float32
