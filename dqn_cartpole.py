@@ -1893,8 +1893,13 @@ class Stopped(BaseException):
 def stop(signum, frame):
     # A second SIGTERM or SIGHUP (a hang-up sends two) must not cut the cleanup short.
     for other in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(other, signal.SIG_IGN)
+        signal.signal(other, ignore)
     raise Stopped(signum)
+
+
+def ignore(signum, frame):
+    """A handler that does nothing. Not SIG_IGN: set while a signal is pending (SIGTERM and
+    SIGHUP at once), Python would raise OSError('Signal 15 ignored due to race condition')."""
 
 
 def send_again(unraisable) -> None:
@@ -1906,7 +1911,7 @@ def send_again(unraisable) -> None:
     if not isinstance(error, KeyboardInterrupt | Stopped):
         return sys.__unraisablehook__(unraisable)
     signum = error.args[0] if isinstance(error, Stopped) else signal.SIGINT
-    if signal.getsignal(signum) is signal.SIG_IGN:  # stop() ignores it from its first call
+    if signal.getsignal(signum) is ignore:  # stop() ignores it from its first call
         signal.signal(signum, stop)
     signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signum))
     signal.setitimer(signal.ITIMER_REAL, 0.01)
@@ -1977,7 +1982,7 @@ if __name__ == "__main__":
         main()
     except (KeyboardInterrupt, Stopped) as interrupt:
         for signum in SIGNALS:  # a second signal (a process group's, say) must not cut this line
-            signal.signal(signum, signal.SIG_IGN)
+            signal.signal(signum, ignore)
         for folder in LOCKED:  # stopped before the run saved anything: no empty folder left
             remove_if_empty(folder)
         signum = interrupt.args[0] if isinstance(interrupt, Stopped) else signal.SIGINT

@@ -1346,8 +1346,13 @@ def stop(signum, frame):
     RECEIVED.append(signum)
     # A second SIGTERM or SIGHUP (a hang-up sends two) must not cut the cleanup short.
     for other in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(other, signal.SIG_IGN)
+        signal.signal(other, ignore)
     raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
+
+
+def ignore(signum, frame):
+    """A handler that does nothing. Not SIG_IGN: set while a signal is pending (SIGTERM and
+    SIGHUP at once), Python would raise OSError('Signal 15 ignored due to race condition')."""
 
 
 def send_again(unraisable) -> None:
@@ -1359,7 +1364,7 @@ def send_again(unraisable) -> None:
     if not isinstance(error, KeyboardInterrupt | Stopped):
         return sys.__unraisablehook__(unraisable)
     signum = error.args[0] if isinstance(error, Stopped) else signal.SIGINT
-    if signal.getsignal(signum) is signal.SIG_IGN:  # stop() ignores it from its first call
+    if signal.getsignal(signum) is ignore:  # stop() ignores it from its first call
         signal.signal(signum, stop)
     signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signum))
     signal.setitimer(signal.ITIMER_REAL, 0.01)
@@ -1434,7 +1439,7 @@ if __name__ == "__main__":
         main()
     except (KeyboardInterrupt, Stopped) as interrupt:
         for signum in SIGNALS:  # a second signal (a process group's, say) must not cut this line
-            signal.signal(signum, signal.SIG_IGN)
+            signal.signal(signum, ignore)
         signum = interrupt.args[0] if isinstance(interrupt, Stopped) else signal.SIGINT
         unfinished = "unfinished; no file half-written"
         message = f"parallel_q_learning.py: stopped by {SIGNALS[signum]}, {unfinished}"

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,29 @@ def test_a_write_that_fails_is_one_line_and_leaves_no_temporary_file(script, tmp
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert not run.exists()
+
+
+def test_sigterm_and_sighup_at_once_stop_the_script_once(script, monkeypatch):
+    """A hang-up and a SIGTERM that come together (a closed terminal, a process group): one
+    Stopped, and nothing else (Python printed OSError 'Signal 15 ignored due to race condition'
+    with a traceback, when the first handler had set the other to SIG_IGN)."""
+    printed = []
+    monkeypatch.setattr(sys, "unraisablehook", printed.append)  # where Python prints that
+    both = {signal.SIGTERM, signal.SIGHUP}
+    saved = {signum: signal.getsignal(signum) for signum in both}
+    try:
+        for signum in both:
+            signal.signal(signum, script.stop)
+        signal.pthread_sigmask(signal.SIG_BLOCK, both)
+        for signum in both:  # to this thread, which holds them: not to one of JAX's threads
+            signal.pthread_kill(threading.get_ident(), signum)
+        with pytest.raises(script.Stopped):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, both)  # runs the handlers
+        signal.pthread_sigmask(signal.SIG_BLOCK, set())  # Python looks at pending signals again
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+    assert not printed, printed[0].exc_value
 
 
 def test_a_signal_while_writing_waits_until_the_run_is_written(script, tmp_path):
