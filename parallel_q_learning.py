@@ -886,7 +886,7 @@ MAX_MAP_BYTES = 256 * 1024  # about 500 x 500 cells
 def read_layout(value: str) -> str:
     """--layout value -> map text: a built-in name, or a map file (a regular file, small)."""
     path = Path(value)
-    if value in LAYOUTS and path.exists():
+    if value in LAYOUTS and path.is_file():  # a folder of that name is no map: the name
         raise argparse.ArgumentTypeError(
             f"{value!r} is a built-in layout and a file: for the file, write ./{value}"
         )
@@ -916,10 +916,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config | Path, dict]:
         default, convert = field.default, field.type
         if field.type == tuple[float, ...]:
             default, convert = ",".join(f"{x:g}" for x in default), parse_float_list
-        elif field.name == "layout":
-            default, convert = "default", read_layout
+        elif field.name == "layout":  # left out: the Config's map, not a file named "default"
+            default, convert = argparse.SUPPRESS, read_layout
+        text = field.metadata["help"] + (" (default: default)" if field.name == "layout" else "")
         flag = "--" + field.name.replace("_", "-")
-        parser.add_argument(flag, type=convert, default=default, help=field.metadata["help"])
+        parser.add_argument(flag, type=convert, default=default, help=text)
     replot = {"type": Path, "metavar": "DIR", "default": argparse.SUPPRESS}  # no "(default: ...)"
     parser.add_argument("--replot", **replot, help="redraw the figures of a saved run; no training")
     cluster = parser.add_argument_group("several processes, one JAX cluster (see README)")

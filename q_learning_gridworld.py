@@ -748,7 +748,7 @@ MAX_MAP_BYTES = 256 * 1024  # about 500 x 500 cells
 def read_layout(value: str) -> str:
     """--layout value -> map text: a built-in name, or a map file (a regular file, small)."""
     path = Path(value)
-    if value in LAYOUTS and path.exists():
+    if value in LAYOUTS and path.is_file():  # a folder of that name is no map: the name
         raise argparse.ArgumentTypeError(
             f"{value!r} is a built-in layout and a file: for the file, write ./{value}"
         )
@@ -776,11 +776,14 @@ def parse_config(argv: list[str] | None = None) -> Config | Path:
     )
     parser.error = fail
     for field in dataclasses.fields(Config):
-        # --layout takes a name or a path; argparse converts its default, the name, too.
-        default = "default" if field.name == "layout" else field.default
-        convert = read_layout if field.name == "layout" else field.type
+        # --layout takes a name or a path; left out, the Config's own map (a default "default"
+        # would go through read_layout too, and a file of that name here would stop every run).
+        layout = field.name == "layout"
+        default = argparse.SUPPRESS if layout else field.default
+        convert = read_layout if layout else field.type
+        text = field.metadata["help"] + (" (default: default)" if layout else "")
         flag = "--" + field.name.replace("_", "-")
-        parser.add_argument(flag, type=convert, default=default, help=field.metadata["help"])
+        parser.add_argument(flag, type=convert, default=default, help=text)
     replot = {"type": Path, "metavar": "DIR", "default": argparse.SUPPRESS}  # no "(default: ...)"
     parser.add_argument("--replot", **replot, help="redraw the figures of a saved run; no training")
     overwrite_help = "replace the run in an --output-dir that holds one"

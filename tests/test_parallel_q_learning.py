@@ -759,6 +759,17 @@ def test_layout_reads_only_a_small_regular_file(tmp_path, monkeypatch, capsys, k
     assert not (tmp_path / "out").exists()
 
 
+def test_a_folder_or_a_file_here_named_like_a_built_in_map_stops_no_run(tmp_path, monkeypatch):
+    """A folder named maze is no map: --layout maze is the built-in one. A file named default
+    here does not stop a run that leaves --layout out (it did: 'a built-in layout and a file')."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "maze").mkdir()
+    (tmp_path / "default").write_text("S.G\n")
+    assert pq.parse_config(["--layout", "maze"])[0].layout == pq.LAYOUTS["maze"]
+    assert pq.parse_config([])[0].layout == pq.LAYOUTS["default"]
+    assert pq.parse_config(["--layout", "./default"])[0].layout == "S.G\n"
+
+
 @pytest.mark.parametrize("name", ["", "x" * 300])
 def test_output_dir_that_cannot_be_a_folder_is_one_line(tmp_path, monkeypatch, capsys, name):
     """An empty name would write into the current folder, a 300-character one is refused by
