@@ -198,21 +198,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     env = pq.make_env(pq.DEFAULT_LAYOUT)
-    largest = pq.Config(
-        num_seeds=args.max_agents,
-        learning_rates=(0.1,),
-        epsilons=(0.1,),
-        output_dir=args.output_dir,
-    )
-    try:  # the largest N must fit in memory; the output folder must be writable
+    if args.max_agents < jax.device_count():  # the ratios compare runs of an agent a device
+        pq.fail(f"--max-agents: at least one per device ({jax.device_count()})")
+    try:  # the largest N must fit in memory; the output folder must be writable; the one-agent
+        largest = pq.Config(  # run's steps must fit the script's int32 counters
+            num_seeds=args.max_agents,
+            learning_rates=(0.1,),
+            epsilons=(0.1,),
+            output_dir=args.output_dir,
+        )
         pq.validate(largest, pq.make_schedule(largest))
+        single_agent_config(args)
     except pq.ConfigError as error:
-        pq.fail(str(error).replace("--num-seeds", "--max-agents"))
+        message = str(error).replace("--num-seeds", "--max-agents")
+        pq.fail(message.replace("--total-timesteps", "--agent-steps"))
     try:
         measure(args, env)
     except BaseException:  # stopped or failed: no empty folder left
         pq.remove_if_empty(Path(args.output_dir))
         raise
+
+
+def single_agent_config(args: argparse.Namespace) -> pq.Config:
+    """The one-agent run: --agent-steps in whole blocks (ConfigError past the script's limits)."""
+    steps = -(-args.agent_steps // SINGLE_AGENT_BLOCK) * SINGLE_AGENT_BLOCK
+    return pq.Config(total_timesteps=steps, num_curve_points=1, rng_block_steps=SINGLE_AGENT_BLOCK)
 
 
 def measure(args: argparse.Namespace, env: pq.GridWorld) -> None:
@@ -227,10 +237,8 @@ def measure(args: argparse.Namespace, env: pq.GridWorld) -> None:
         return numpy_q_learning(env, HPARAMS, args.numpy_steps, seed=0)
 
     points = [Point("numpy loop", 1, 1, args.numpy_steps, 0.0, numpy_run)]
-    steps = -(-args.agent_steps // SINGLE_AGENT_BLOCK) * SINGLE_AGENT_BLOCK
-    single = pq.Config(
-        total_timesteps=steps, num_curve_points=1, rng_block_steps=SINGLE_AGENT_BLOCK
-    )
+    single = single_agent_config(args)
+    steps = single.total_timesteps
     train = pq.make_train(single, env)
     hparams = pq.HParams(*(np.float32(x) for x in HPARAMS))
     points.append(
