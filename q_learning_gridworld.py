@@ -625,21 +625,23 @@ def catchable() -> list[int]:
 
 
 def write_csv(path: Path, columns: dict) -> None:
-    """Tidy CSV: the columns, broadcast to one shape ([seeds, points]), one row per element."""
-    values = [np.ravel(c).tolist() for c in np.broadcast_arrays(*columns.values())]
+    """Tidy CSV: the columns, broadcast to one shape ([seeds, points]), one row per element,
+    written a seed at a time (Python floats for all of them at once took ~40x numpy's memory)."""
+    arrays = np.broadcast_arrays(*columns.values())
     with atomic_open(path) as file:
         writer = csv.writer(file, lineterminator="\n")
         writer.writerow(columns)
-        writer.writerows(zip(*values, strict=True))
+        for seed in range(arrays[0].shape[0]):
+            writer.writerows(zip(*(a[seed].tolist() for a in arrays), strict=True))
 
 
 def read_csv(path: Path, num_seeds: int) -> dict:
-    """write_csv's file -> {column: float array [seeds, points]}."""
+    """write_csv's file -> {column: float array [seeds, points]}, parsed by numpy (a dict per row
+    took ~600 bytes a row: a run the memory check let through ran out of it here)."""
     with open(path) as file:
-        rows = list(csv.DictReader(file))
-    return {
-        name: np.array([float(r[name]) for r in rows]).reshape(num_seeds, -1) for name in rows[0]
-    }
+        names = file.readline().strip().split(",")
+        values = np.loadtxt(file, delimiter=",", ndmin=2)
+    return {name: values[:, i].reshape(num_seeds, -1) for i, name in enumerate(names)}
 
 
 RUN_FILES = ("summary.json", "curves.csv", "first_episodes.csv", "q_tables.npy")
