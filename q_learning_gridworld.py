@@ -553,23 +553,29 @@ def summarize(config: Config, env: GridWorld, q_values: np.ndarray, timings: dic
 def expected_episode_length(env: GridWorld, epsilon: float, gamma: float) -> float | None:
     """Mean steps from S to G of epsilon-greedy on Q* (ties uniform): why even a perfect
     learner's training episodes stay above the shortest path while it keeps exploring. None
-    where it is not worth drawing: a map too large to iterate over cheaply, or a Q* of zeros
-    at S (gamma 0, or gamma^(shortest - 1) below the value-iteration tolerance)."""
-    if env.num_cells > 10_000:
+    where it is not worth drawing: a time limit (it cuts the episodes), a map too large to solve
+    for cheaply, or a Q* of zeros at S (gamma 0, or gamma^(shortest - 1) below the tolerance)."""
+    if env.num_cells > 2_500 or env.max_episode_steps:
         return None
     q = value_iteration(env, gamma)
     if not q[env.map.start].max():
         return None
     best = np.isclose(q, q.max(axis=1, keepdims=True))
     policy = epsilon / NUM_ACTIONS + (1 - epsilon) * best / best.sum(axis=1, keepdims=True)
-    steps = np.zeros(env.num_cells)
-    for _ in range(10_000):  # steps = 1 + E[steps of the next cell], G ends it
-        new_steps = 1 + (policy * steps[env.map.next_cell]).sum(axis=1)
-        new_steps[env.map.goal] = 0.0
-        if np.abs(new_steps - steps).max() < 1e-6:
-            break
-        steps = new_steps
-    return float(steps[env.map.start])
+    # steps = 1 + E[steps of the next cell], 0 at G: one linear system over the cells S reaches
+    # (an iteration stopped short: 3463 for 3662 on the maze at epsilon 1), solved exactly.
+    reached, frontier = np.arange(env.num_cells) == env.map.start, np.array([env.map.start])
+    while frontier.size:
+        frontier = np.unique(env.map.next_cell[frontier])
+        frontier = frontier[~reached[frontier]]
+        reached[frontier] = True
+    moves = np.zeros((env.num_cells, env.num_cells))
+    np.add.at(moves, (np.arange(env.num_cells)[:, None], env.map.next_cell), policy)
+    moves[env.map.goal] = 0.0  # G ends the episode
+    cells = np.flatnonzero(reached)
+    ones = np.where(cells == env.map.goal, 0.0, 1.0)
+    steps = np.linalg.solve(np.eye(len(cells)) - moves[np.ix_(cells, cells)], ones)
+    return float(steps[cells == env.map.start][0])
 
 
 @contextlib.contextmanager

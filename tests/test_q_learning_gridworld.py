@@ -802,6 +802,17 @@ def test_a_map_too_large_for_the_figures_line_skips_value_iteration(monkeypatch)
     assert qlg.expected_episode_length(env, epsilon=0.1, gamma=0.9) is None
 
 
+@pytest.mark.parametrize("name", ["default", "maze", "four_rooms"])
+def test_the_figures_expected_episode_length_is_exact(name):
+    """Greedy on Q* walks a shortest path; exploring makes it longer, never shorter; with a time
+    limit the line is not drawn (the figure showed 602 steps for episodes cut at 7)."""
+    env = qlg.GridWorld(qlg.LAYOUTS[name])
+    assert qlg.expected_episode_length(env, 0.0, 0.9) == pytest.approx(env.map.shortest_path_length)
+    assert env.map.shortest_path_length < qlg.expected_episode_length(env, 0.1, 0.9)
+    limited = qlg.GridWorld(qlg.LAYOUTS[name], max_episode_steps=7)
+    assert qlg.expected_episode_length(limited, 0.1, 0.9) is None
+
+
 @pytest.mark.parametrize("gamma", ["0", "0.1"])
 def test_a_start_value_of_zero_is_reported_not_divided_by(tmp_path, capsys, gamma):
     """gamma 0, or gamma^17 below value iteration's tolerance: V*(S) = 0, no relative error."""
