@@ -803,10 +803,12 @@ def plot_heatmap(summary: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(HEATMAP_MEASURES), len(gammas), squeeze=False)
     fig.set_layout_engine("constrained")
     fig.set_size_inches(2.5 + 3.6 * len(gammas), 7.2)
+    one_seed = summary["config"]["num_seeds"] == 1  # no CI: a cell shows the seed's value
+    cells = "cells: the seed's value" if one_seed else "cells: mean [95% CI]"
     fig.suptitle(
         f"{plural(summary['config']['num_seeds'], 'seed')} per cell, "
         f"{summary['steps_per_agent']:,} steps per agent; "
-        + ("cells: mean [95% CI]" if annotated else "colour: the mean over seeds")
+        + (cells if annotated else "colour: the mean over seeds")
     )
     for m, (measure, label) in enumerate(HEATMAP_MEASURES.items()):
         stats = [row[measure] for row in summary["grid"]]  # grid order: gamma slowest
@@ -819,7 +821,7 @@ def plot_heatmap(summary: dict, path: Path) -> None:
                 for (i, j), value in np.ndenumerate(panel):
                     color = "w" if value < (low + high) / 2 else "k"
                     low_ci, high_ci = np.clip(ci[i, j], 0, 1)  # both measures are shares
-                    text = f"{value:.2f}\n[{low_ci:.2f}, {high_ci:.2f}]"
+                    text = f"{value:.2f}" + ("" if one_seed else f"\n[{low_ci:.2f}, {high_ci:.2f}]")
                     ax.text(j, i, text, ha="center", va="center", color=color, fontsize=8)
             ax.set_xticks(*ticks(epsilons, most=6))
             ax.set_yticks(*ticks(lrs, most=10))

@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -529,6 +530,17 @@ def test_a_large_grid_draws_readable_figures(tmp_path, monkeypatch):
     assert [text.get_text() for text in curves.axes[0].get_legend().get_texts()] == [
         "shortest path (18)"
     ]
+
+
+def test_one_seed_heatmap_shows_its_values_not_an_interval_of_nans(tmp_path, monkeypatch):
+    """One seed has no 95% CI: each cell shows the seed's value (it showed '[nan, nan]')."""
+    pq.main(["--num-seeds", "1", "--total-timesteps", "1000", "--output-dir", str(tmp_path)])
+    figures = []
+    monkeypatch.setattr(pq, "save_figure", lambda fig, path: figures.append(fig))
+    pq.plot_run(tmp_path)
+    texts = [text.get_text() for text in figures[0].axes[0].texts]
+    assert len(texts) == 9 and all(re.fullmatch(r"[01]\.[0-9]{2}", text) for text in texts), texts
+    assert figures[0].get_suptitle().endswith("cells: the seed's value")
 
 
 def test_cli_happy_path(tmp_path):
