@@ -1220,6 +1220,8 @@ def main(argv: list[str] | None = None) -> None:
         if not all((config / name).is_file() for name in RUN_FILES):
             fail(f"--replot: {str(config)!r} is not a saved run (needs {', '.join(RUN_FILES)})")
         try:
+            if "grid" not in json.loads((config / "summary.json").read_text()):  # the gridworld's
+                raise ValueError("not a run of parallel_q_learning.py (its summary has no grid)")
             plot_run(config)
         except Exception as error:  # a damaged file: one line, not a traceback
             fail(f"--replot {config}: cannot redraw ({type(error).__name__}: {error})"[:300])

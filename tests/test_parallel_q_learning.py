@@ -698,6 +698,11 @@ def test_replot_does_not_train_and_a_bad_folder_or_flag_is_one_line(tmp_path, ca
         pq.main(["--replot", str(tmp_path)])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and "--replot" in err, err
+    for name in pq.RUN_FILES:  # the gridworld's run has these files too: named (a KeyError)
+        (tmp_path / name).write_text('{"config": {}, "seeds": []}')
+    with pytest.raises(SystemExit) as exit_info:
+        pq.main(["--replot", str(tmp_path)])
+    assert "not a run of parallel_q_learning.py" in capsys.readouterr().err
     for flag, value in (("--num-seeds", "0"), ("--gamma", "0.5"), ("--overwrite", None)):
         with pytest.raises(SystemExit) as exit_info:  # any other flag: the figures are the run's
             pq.main(["--replot", str(tmp_path), flag, *([value] if value else [])])
