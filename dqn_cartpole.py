@@ -1848,12 +1848,19 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def resume_hint(output: Path) -> str:
-    """The command that goes on from the run's checkpoint, to paste into a shell."""
-    try:  # the script's path from here, or absolute where this folder was deleted
-        script = os.path.relpath(__file__)
-    except OSError:
-        script = __file__
-    return f"to go on: {shlex.join(['python', script, '--resume', str(output)])}"
+    """The command that goes on from the run's checkpoint, to paste into a shell: this Python
+    (a venv's, say: a bare `python` may be one without jax) and this script, each by its path
+    from here where it lies below this folder, else absolute."""
+
+    def from_here(path: str) -> str:
+        try:
+            relative = os.path.relpath(path)
+        except OSError:  # this folder was deleted meanwhile
+            return path
+        return path if relative.split(os.sep)[0] == os.pardir else relative
+
+    command = [from_here(sys.executable), from_here(__file__), "--resume", str(output)]
+    return f"to go on: {shlex.join(command)}"
 
 
 class BestEffortStream:

@@ -17,10 +17,10 @@ on the same machine in the same run:
 It prints one line: `article steps_per_s=<agent-steps per second, compile excluded> ...`.
 """
 
-import argparse
 import math
 import time
 
+import cli  # next to this file: the benchmarks' flags
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -144,10 +144,12 @@ def make_train(timesteps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timesteps", type=int, default=20_000)
+    parser = cli.parser(__doc__)
+    parser.add_argument("--timesteps", type=cli.count, default=20_000)
     parser.add_argument("--num-agents", type=int, default=0, help="0: one agent, no vmap")
     args = parser.parse_args()
+    if args.timesteps >= 2**31 or args.num_agents < 0:  # the loop counter is int32
+        parser.error("--timesteps must be below 2^31, --num-agents at least 0")
 
     train = make_train(args.timesteps)
     if args.num_agents:

@@ -15,6 +15,8 @@ BAD = {  # benchmark and arguments: the flag its one line must name
     "q_learning_gridworld.py --timesteps 3000000000": "--timesteps",  # beyond the script's int32
     "article_q_learning.py --timesteps 0": "--timesteps",
     "article_q_learning.py --num-agents -1": "--num-agents",
+    "article_dqn.py --timesteps 0": "--timesteps",  # it printed steps_per_s=0, exit 0
+    "article_dqn.py --num-agents -1": "--num-agents",
     "two_processes.py parallel_q_learning.py --repeats 0": "--repeats",
     "parallel_q_learning.py --agent-steps 100000000000000000": "--agent-steps",  # int32 steps
     "parallel_q_learning.py --max-agents 1": "--max-agents",  # below the session's 2 devices

@@ -1151,10 +1151,20 @@ def run_and_interrupt(argv: list[str], signum: int, after: str) -> tuple[int, st
 RESUME_ARGS = [*TINY_ARGS, "--total-timesteps", "3734"]
 
 
+def assert_goes_on(line: str, folder) -> None:
+    """The line ends with the command that goes on, to paste into a shell here: this Python (a
+    bare `python` may be one without jax) and the script, by paths from here, then --resume."""
+    python, script, *rest = shlex.split(line.rsplit("to go on: ", 1)[1])
+    assert os.path.samefile(python, sys.executable), line
+    assert os.path.samefile(script, dqn.__file__) and rest == ["--resume", str(folder)], line
+    assert not python.startswith("..") and not script.startswith(".."), line
+
+
 def test_the_line_to_go_on_when_the_current_folder_was_deleted(tmp_path, monkeypatch, capsys):
     """The folder the run started in, deleted meanwhile: the run is saved and the line to go on
     names the script by its absolute path (a relative one needs that folder), exit 129. In this
-    process: the first progress line deletes the folder and sends the SIGHUP."""
+    process: the first progress line deletes the folder and sends the SIGHUP. The Python that ran
+    it is named by its absolute path too."""
     gone, stopped = tmp_path / "gone", tmp_path / "stopped"
     gone.mkdir()
     monkeypatch.chdir(gone)
@@ -1168,7 +1178,7 @@ def test_the_line_to_go_on_when_the_current_folder_was_deleted(tmp_path, monkeyp
     with pytest.raises(SystemExit) as exit_info:  # 3 blocks: stopped after the second
         dqn.main([*TINY_ARGS, "--total-timesteps", "1500", "--output-dir", str(stopped)])
     err = capsys.readouterr().err
-    hint = shlex.join(["python", dqn.__file__, "--resume", str(stopped)])
+    hint = shlex.join([sys.executable, dqn.__file__, "--resume", str(stopped)])
     assert exit_info.value.code == 129 and err.strip().endswith(f"to go on: {hint}"), err
     assert (stopped / dqn.CHECKPOINT).exists()
 
@@ -1213,8 +1223,7 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
     argv = [dqn.__file__, *RESUME_ARGS, "--solved-return", "100", "--output-dir", str(stopped)]
     code, printed = run_and_interrupt(argv, signal.SIGHUP, "%  train")  # the first block's line
     assert code == 129 and "Traceback" not in printed, printed
-    hint = shlex.join(["python", os.path.relpath(dqn.__file__), "--resume", str(stopped)])
-    assert printed.strip().splitlines()[-1].endswith(f"to go on: {hint}"), printed
+    assert_goes_on(printed.strip().splitlines()[-1], stopped)
     summary = json.loads((stopped / "summary.json").read_text())
     assert 0 < summary["steps_done"] < 3_734 and summary["steps_done"] % 500 == 0
     assert (stopped / dqn.CHECKPOINT).exists() and (stopped / "learning_curves.png").exists()
@@ -1401,8 +1410,8 @@ def test_stopped_at_once_says_how_to_go_on_from_the_last_checkpoint(tmp_path):
     assert run_and_interrupt(argv, signal.SIGTERM, "%  train")[0] == 143  # saved after a block
     code, printed = ctrl_c_twice(["--resume", str(folder)])
     assert code == 130, printed
-    hint = shlex.join(["python", os.path.relpath(dqn.__file__), "--resume", str(folder)])
-    assert printed[-1].strip().endswith(f"its last checkpoint stays, to go on: {hint}"), printed
+    assert "its last checkpoint stays, to go on: " in printed[-1], printed
+    assert_goes_on(printed[-1].strip(), folder)
     assert (folder / dqn.CHECKPOINT).exists()
 
 
