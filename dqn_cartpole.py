@@ -971,8 +971,9 @@ def save_checkpoint(output: Path, run: dict, done: int, carry, metrics) -> None:
     carry = gather(carry._replace(key=jax.random.key_data(carry.key)))  # every process joins
     if jax.process_index() > 0:
         return
-    arrays = {f"carry_{i}": x for i, x in enumerate(jax.tree.leaves(carry))}
-    arrays |= {f"metrics_{name}": x for name, x in metrics.items()}
+    real = len(run["points"]) * run["config"]["num_seeds"]  # --resume pads anew for its layout
+    arrays = {f"carry_{i}": x[:real] for i, x in enumerate(jax.tree.leaves(carry))}
+    arrays |= {f"metrics_{name}": x[:real] for name, x in metrics.items()}
     with atomic_open(output / CHECKPOINT, "wb") as file:
         np.savez(file, run=json.dumps(run), blocks_done=done, **arrays)
 
@@ -1000,6 +1001,9 @@ def saved_config(saved: dict) -> Config:
 def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int]:
     """(Config, grid points, solved return, (blocks done, carry leaves, metrics), checkpoint
     cadence) of a run that saved a checkpoint; any problem is a one-line ValueError."""
+    if not Path(folder).is_dir():
+        raise ValueError(f"--resume {folder}: no such folder" if not Path(folder).exists() else
+                         f"--resume {folder}: not a folder")  # fmt: skip
     if (Path(folder) / "summary.json").exists() and not (Path(folder) / CHECKPOINT).exists():
         try:  # another script's run, say
             saved_config(json.loads((Path(folder) / "summary.json").read_text())["config"])
@@ -1008,6 +1012,8 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int
         raise ValueError(
             f"--resume {folder}: its run has ended (only a stopped run has a checkpoint)"
         )
+    if not (Path(folder) / CHECKPOINT).exists():
+        raise ValueError(f"--resume {folder}: no {CHECKPOINT} in it (a stopped run saves one)")
     try:
         if not zipfile.is_zipfile(Path(folder) / CHECKPOINT):  # np.load would try a pickle
             raise ValueError(f"{CHECKPOINT} is not an .npz archive")
@@ -1141,10 +1147,19 @@ def plot_learning_curves(curves: dict, result: dict, solved, title: str, path: P
     save_figure(fig, path)
 
 
+def apart(values) -> dict[float, str]:
+    """Each value as text, with the digits that tell it from the others (6 at least, as `:g`):
+    gamma 0.999999 and 0.9999991 are two grid points, and showed as one."""
+    values = set(values)
+    digits = next(d for d in range(6, 18) if len({f"{v:.{d}g}" for v in values}) == len(values))
+    return {value: f"{value:.{digits}g}" for value in values}
+
+
 def point_labels(points: list[dict]) -> list[str]:
     """'learning_rate 0.001, gamma 0.99' for each grid point: the values that vary."""
     swept = [name for name in HParams._fields if len({p[name] for p in points}) > 1]
-    return [", ".join(f"{name} {p[name]:g}" for name in swept) for p in points]
+    texts = {name: apart(p[name] for p in points) for name in swept}
+    return [", ".join(f"{name} {texts[name][p[name]]}" for name in swept) for p in points]
 
 
 def plot_sweep(labels: list, results: list, solved, title: str, path: Path) -> None:
@@ -1511,7 +1526,8 @@ def run_training(config, points, env, network, plan, environment, output, checkp
             due = checkpoint_every and steps - saved >= checkpoint_every
             if (stopping or due) and steps < config.total_timesteps:  # an ended run has no use
                 clock = time.perf_counter()
-                save_checkpoint(output, run, done, carry, metrics)
+                with writing(output):
+                    save_checkpoint(output, run, done, carry, metrics)
                 timings["checkpoint_time_s"] += time.perf_counter() - clock
                 saved = steps
             if stopping:
@@ -1580,7 +1596,7 @@ def parse_command(argv: list[str] | None):
 def run_folder(template: str, overwrite: bool) -> str:
     """The run's folder, checked (a `{time}` name is new: make_folder picks it). A folder named
     outright that already holds files is refused, unless --overwrite, which replaces what a run
-    wrote there (see clear_folder) and refuses a folder that holds anything else (a folder, a
+    wrote there (see replacing) and refuses a folder that holds anything else (a folder, a
     file of another name). ValueError('--flag ...')."""
     if not template:  # "" would write into the current folder
         raise ValueError("--output-dir must name a folder, not be empty")
@@ -1594,7 +1610,7 @@ def run_folder(template: str, overwrite: bool) -> str:
         raise ValueError(f"--output-dir {template} is not a folder") from None
     except OSError:  # no such folder yet (it is made later), or a name the OS refuses
         held = []
-    ours = {*RUN_NAMES, *(temporary(Path(name)).name for name in RUN_NAMES)}
+    ours = {*RUN_NAMES, *(f(Path(name)).name for name in RUN_NAMES for f in (temporary, set_aside))}
     if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
         raise ValueError(
             f"--output-dir {template} holds {foreign[0]}, which no run of this script "
@@ -1656,12 +1672,45 @@ def make_folder(folder: str) -> Path:
     return path
 
 
-def clear_folder(folder: Path) -> None:
-    """After every check, remove a previous run's files, and nothing else: a file put there
-    meanwhile stays."""
-    for name in RUN_NAMES:
-        for path in (folder / name, temporary(folder / name)):
-            path.unlink(missing_ok=True)
+def set_aside(path: Path) -> Path:
+    """Where --overwrite keeps a previous run's file while the new run is written."""
+    return path.with_name(f".{path.stem}.old{path.suffix}")
+
+
+@contextlib.contextmanager
+def replacing(folder: Path):
+    """Writes a run over a previous run's files (--overwrite), and nothing else: a file put there
+    meanwhile stays. The previous files, renamed aside (no space needed), stay until the new
+    run is written whole; if a write fails (a full disk, say), they are put back as they were."""
+    paths = [folder / name for name in RUN_NAMES]
+    for path in paths:  # first what a write cut short (a crash) left
+        temporary(path).unlink(missing_ok=True)
+        set_aside(path).unlink(missing_ok=True)
+        if path.exists():
+            os.replace(path, set_aside(path))
+    try:
+        yield
+    except BaseException:
+        for path in paths:
+            path.unlink(missing_ok=True)  # the new run's
+            if set_aside(path).exists():
+                os.replace(set_aside(path), path)
+        raise
+    for path in paths:
+        set_aside(path).unlink(missing_ok=True)
+
+
+TO_REPLACE = set()  # folders whose previous run (--overwrite) this run has not yet written over
+
+
+def writing(folder: Path):
+    """The context of a run's writes into its folder. The first replaces a previous run there
+    (--overwrite), which stays as it was until then: a run that ends before it saves anything
+    (an error, Ctrl-C twice, a kill) leaves it."""
+    if folder in TO_REPLACE:
+        TO_REPLACE.remove(folder)  # a write that fails puts it back, and ends the script
+        return replacing(folder)
+    return contextlib.nullcontext()
 
 
 def check_backend() -> None:
@@ -1759,9 +1808,10 @@ def main(argv: list[str] | None = None) -> None:
         elif args.load and args.output_dir is None:  # a loaded run's results go into that run
             output, named_by = Path(args.load), "--load"
         else:  # process 0 writes for the cluster: the others' folder is not used
-            output, named_by = Path(config.output_dir.replace("{env}", name)), "--output-dir"
+            output, named_by = config.output_dir.replace("{env}", name), "--output-dir"
             if jax.process_index() == 0:
-                output = Path(run_folder(str(output), args.overwrite))
+                output = run_folder(output, args.overwrite)  # "": a ValueError, not Path's "."
+            output = Path(output)
         config = dataclasses.replace(config, output_dir=str(output))
         check_run(config, output, named_by)
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
@@ -1778,9 +1828,8 @@ def main(argv: list[str] | None = None) -> None:
                 raise ValueError(f"{named_by}: {error}") from None
             config = dataclasses.replace(config, output_dir=str(output))
             kept = {Path(run).resolve() for run in (args.load, args.resume) if run}
-            replaced = output.resolve() not in kept  # a loaded or resumed run keeps its files
-            if replaced and not args.load:  # --load: just before writing, after evaluating
-                clear_folder(output)
+            if output.resolve() not in kept:  # a loaded or resumed run keeps its files
+                TO_REPLACE.add(output)
     except (ValueError, MemoryError, OSError) as error:
         print(f"dqn_cartpole.py: error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -1816,18 +1865,17 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(128 + stopped if stopped else 0)
         summary = summarize(config, environment, points, results, **extra)
         summary["wall_time_s"] = time.perf_counter() - start  # up to the training's end
-        if args.load:
-            if replaced:
-                clear_folder(output)
-            write_json(output / "load_summary.json", summary)
-        else:
-            save_run(output, summary, points, out)
-            plot_run(output)
-            # --load of a stopped run writes these for its params, which --resume replaces
-            for stale in ("load_summary.json", "render.gif"):
-                (output / stale).unlink(missing_ok=True)
-            if not stopped:  # a finished run needs no checkpoint
-                (output / CHECKPOINT).unlink(missing_ok=True)
+        with writing(output):
+            if args.load:
+                write_json(output / "load_summary.json", summary)
+            else:
+                save_run(output, summary, points, out)
+                plot_run(output)
+                # --load of a stopped run writes these for its params, which --resume replaces
+                for stale in ("load_summary.json", "render.gif"):
+                    (output / stale).unlink(missing_ok=True)
+                if not stopped:  # a finished run needs no checkpoint
+                    (output / CHECKPOINT).unlink(missing_ok=True)
         if args.render:
             render_median(config, env, network, params, returns, output / "render.gif")
         name = "load_summary.json" if args.load else "summary.json"
@@ -1995,7 +2043,9 @@ if __name__ == "__main__":
         signum = interrupt.args[0] if isinstance(interrupt, Stopped) else signal.SIGINT
         unfinished = "unfinished; no file half-written"
         kept = [folder for folder in LOCKED if (folder / CHECKPOINT).exists()]
-        if kept:  # one saved before (--checkpoint-every, or the one a --resume started from)
+        if TO_REPLACE:  # --overwrite: nothing of this run written over the previous one
+            unfinished += "; the run it was to replace stays"
+        elif kept:  # one saved before (--checkpoint-every, or the one a --resume started from)
             unfinished += f"; its last checkpoint stays, {resume_hint(kept[0])}"
         message = f"dqn_cartpole.py: stopped by {SIGNALS[signum]}, {unfinished}"
         print(message, file=sys.stderr, flush=True)

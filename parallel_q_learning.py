@@ -787,10 +787,18 @@ def save_figure(fig, path: Path) -> None:
     plt.close(fig)
 
 
+def apart(values) -> dict[float, str]:
+    """Each value as text, with the digits that tell it from the others (6 at least, as `:g`):
+    gamma 0.999999 and 0.9999991 are two grid points, and showed as one."""
+    values = set(values)
+    digits = next(d for d in range(6, 18) if len({f"{v:.{d}g}" for v in values}) == len(values))
+    return {value: f"{value:.{digits}g}" for value in values}
+
+
 def ticks(values: list[float], most: int) -> tuple[range, list[str]]:
     """Positions and labels of at most `most` ticks over an axis of `values`."""
-    step = -(-len(values) // most)
-    return range(0, len(values), step), [f"{value:g}" for value in values[::step]]
+    step, texts = -(-len(values) // most), apart(values)
+    return range(0, len(values), step), [texts[value] for value in values[::step]]
 
 
 def plot_heatmap(summary: dict, path: Path) -> None:
@@ -799,6 +807,7 @@ def plot_heatmap(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     lrs, epsilons, gammas = (summary["config"][k] for k in ("learning_rates", "epsilons", "gammas"))
+    titles = apart(gammas)
     annotated = len(epsilons) <= 6 and len(lrs) <= 10  # more cells: their texts would overlap
     fig, axes = plt.subplots(len(HEATMAP_MEASURES), len(gammas), squeeze=False)
     fig.set_layout_engine("constrained")
@@ -825,7 +834,7 @@ def plot_heatmap(summary: dict, path: Path) -> None:
                     ax.text(j, i, text, ha="center", va="center", color=color, fontsize=8)
             ax.set_xticks(*ticks(epsilons, most=6))
             ax.set_yticks(*ticks(lrs, most=10))
-            ax.set(xlabel="epsilon", ylabel="learning rate", title=f"gamma = {gamma:g}")
+            ax.set(xlabel="epsilon", ylabel="learning rate", title=f"gamma = {titles[gamma]}")
         fig.colorbar(image, ax=axes[m].tolist(), label=label.replace(" (", "\n("))
     save_figure(fig, path)
 
@@ -841,6 +850,7 @@ def plot_curves(summary: dict, curves: dict, path: Path) -> None:
     if num_seeds > 1:
         half = Z_95 * lengths.std(axis=1, ddof=1) / math.sqrt(num_seeds)
     gammas, cells = config["gammas"], make_env(config["layout"]).num_cells
+    texts = {name: apart(config[f"{name}s"]) for name in ("learning_rate", "epsilon", "gamma")}
     per_panel = len(summary["grid"]) // len(gammas)  # lines
     crowded = per_panel >= 9  # the legend goes below; beyond 30 lines it names none of them
     size = (2 + 4.5 * len(gammas), 5.5 if crowded else 4)
@@ -851,15 +861,15 @@ def plot_curves(summary: dict, curves: dict, path: Path) -> None:
     )
     for g, row in enumerate(summary["grid"]):
         ax = axes[0][gammas.index(row["gamma"])]
-        label = (
-            f"lr {row['learning_rate']:g}, epsilon {row['epsilon']:g}" if per_panel <= 30 else None
-        )
+        lr, epsilon = texts["learning_rate"][row["learning_rate"]], texts["epsilon"][row["epsilon"]]
+        label = f"lr {lr}, epsilon {epsilon}" if per_panel <= 30 else None
         ax.plot(steps, mean[g], label=label)
         ax.fill_between(steps, mean[g] - half[g], mean[g] + half[g], alpha=0.2)
     for ax, gamma in zip(axes[0], gammas, strict=True):
         shortest = summary["grid"][0]["shortest_path"]
         ax.axhline(shortest, color="k", ls="--", lw=1, label=f"shortest path ({shortest})")
-        ax.set(xlabel="steps per agent", ylabel="greedy path length", title=f"gamma = {gamma:g}")
+        title = f"gamma = {texts['gamma'][gamma]}"
+        ax.set(xlabel="steps per agent", ylabel="greedy path length", title=title)
         ax.set_xscale("log")  # the greedy path settles in the first tenth: log spreads it out
         where = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.2), "ncol": 2} if crowded else {}
         ax.legend(fontsize=7, **where)
@@ -1281,13 +1291,17 @@ def main(argv: list[str] | None = None) -> None:
     print("optimal: share of seeds whose final greedy path from S is a shortest path; path: its")
     print("mean length (one that never reaches G counts as the cell count); V*: value iteration")
     print(f"{'lr':>6} {'eps':>6} {'gamma':>6} {'optimal':>8} {'path':>7} {'|V(S)-V*(S)|':>13}")
+    texts = {
+        name: apart(row[name] for row in rows) for name in ("learning_rate", "epsilon", "gamma")
+    }
     for row in rows:
         optimal, path = (
             row["greedy_path_optimal_fraction"]["mean"],
             row["greedy_path_length"]["mean"],
         )
+        lr, epsilon, gamma = (texts[name][row[name]] for name in texts)
         print(
-            f"{row['learning_rate']:6g} {row['epsilon']:6g} {row['gamma']:6g} "
+            f"{lr:>6} {epsilon:>6} {gamma:>6} "
             f"{optimal:8.2f} {path:7.1f} {row['start_value_abs_error']['mean']:13.4f}"
         )
 

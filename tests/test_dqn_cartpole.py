@@ -781,6 +781,20 @@ ACROBOT_SWEEP_ARGS = shlex.split(
 )
 
 
+def test_sweep_labels_tell_every_grid_point_apart():
+    """Values that differ in float32 are two grid points; labels of 6 digits (`:g`) showed gamma
+    0.999999 and 0.9999991 as the same, twice, in the ranking and the figure."""
+    default = dqn.Config().hparams()._asdict()
+    lrs, gammas = (1e-3, 2.5e-3), (0.999999, 0.9999991)
+    points = [default | {"learning_rate": lr, "gamma": g} for lr in lrs for g in gammas]
+    assert dqn.point_labels(points) == [
+        "learning_rate 0.001, gamma 0.999999",
+        "learning_rate 0.001, gamma 0.9999991",
+        "learning_rate 0.0025, gamma 0.999999",
+        "learning_rate 0.0025, gamma 0.9999991",
+    ]
+
+
 def test_cli_sweep_on_acrobot_then_load_takes_env_and_network_from_the_run(
     tmp_path, monkeypatch, capsys
 ):
@@ -1030,21 +1044,25 @@ def test_cluster_processes_whose_device_lists_never_all_come_are_one_line(monkey
         dqn.check_backend()
 
 
-def test_cli_output_dir_that_is_a_file_and_load_without_params(tmp_path, capsys):
+def test_cli_output_dir_that_is_a_file_and_load_without_params(tmp_path, capsys, monkeypatch):
+    """Each refused in one line. From an empty folder: an empty --output-dir was "." there, and
+    a run wrote its files into it (from a folder that holds files, another line refused it)."""
     a_file = tmp_path / "file"
     a_file.write_text("x")
+    (tmp_path / "empty").mkdir()
+    monkeypatch.chdir(tmp_path / "empty")
     for argv, flag in [
         (["--output-dir", str(a_file)], "--output-dir"),
         (["--output-dir", str(a_file / "sub")], "--output-dir"),  # checked before training
         (["--output-dir", "x" * 300], "--output-dir"),  # a name the OS refuses
-        (["--output-dir", ""], "--output-dir"),
+        (["--output-dir", ""], "--output-dir must name a folder, not be empty"),
         (["--load", str(tmp_path), "--output-dir", str(tmp_path / "o")], "--load"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             dqn.main(argv)
         err = capsys.readouterr().err.strip()
-        assert exit_info.value.code != 0 and len(err.splitlines()) == 1 and flag in err
-    assert not (tmp_path / "o").exists()
+        assert exit_info.value.code != 0 and len(err.splitlines()) == 1 and flag in err, err
+    assert not (tmp_path / "o").exists() and not any((tmp_path / "empty").iterdir())
 
 
 def test_cli_error_from_a_fresh_process_has_no_traceback():
@@ -1227,6 +1245,9 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
     summary = json.loads((stopped / "summary.json").read_text())
     assert 0 < summary["steps_done"] < 3_734 and summary["steps_done"] % 500 == 0
     assert (stopped / dqn.CHECKPOINT).exists() and (stopped / "learning_curves.png").exists()
+    with np.load(stopped / dqn.CHECKPOINT) as saved:  # the 3 seeds, not the 64 padded agents
+        arrays = [saved[name] for name in saved.files if name.startswith(("carry_", "metrics_"))]
+        assert {len(x) for x in arrays} == {3}, {len(x) for x in arrays}
     with np.load(stopped / dqn.CHECKPOINT) as file:
         arrays = dict(file)
     damaged = tmp_path / "damaged"
@@ -1402,6 +1423,37 @@ def test_stopped_at_once_before_anything_was_saved_leaves_no_folder(tmp_path):
     assert not folder.exists(), sorted(folder.iterdir())
 
 
+def test_overwrite_keeps_the_previous_run_until_the_new_one_saves(tmp_path, monkeypatch):
+    """--overwrite removed the previous run as the new one started, so a run stopped at once (a
+    second Ctrl-C, here raised after the first block), an error or a kill lost both. Now the
+    previous run stays as it was until the new one saves: its first checkpoint replaces it."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    previous = {name: f"previous {name}" for name in [*dqn.RUN_FILES, "learning_curves.png"]}
+    for name, text in previous.items():
+        (folder / name).write_text(text)
+    monkeypatch.setattr(dqn, "TO_REPLACE", set())
+    blocks = []
+
+    def interrupt(progress, steps, seconds):  # as the second Ctrl-C, after `stop_after` blocks
+        blocks.append(steps)
+        if len(blocks) == stop_after:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(dqn.Progress, "__call__", interrupt)
+    argv = [*TINY_ARGS, "--output-dir", str(folder), "--overwrite", "--checkpoint-every"]
+    stop_after = 1  # no checkpoint yet
+    with pytest.raises(KeyboardInterrupt):
+        dqn.main([*argv, "0"])
+    assert {path.name: path.read_text() for path in folder.iterdir()} == previous
+    assert folder in dqn.TO_REPLACE  # the stopped script's line: "the run it was to replace"
+    blocks.clear()
+    stop_after = 2  # after the first block's checkpoint
+    with pytest.raises(KeyboardInterrupt):
+        dqn.main([*argv, "500"])
+    assert [path.name for path in folder.iterdir()] == [dqn.CHECKPOINT] and not dqn.TO_REPLACE
+
+
 def test_stopped_at_once_says_how_to_go_on_from_the_last_checkpoint(tmp_path):
     """Ctrl-C twice while a resumed run compiles: it stops at once, unsaved, and the checkpoint
     it started from stays: the line says so, and how to go on (it said only "unfinished")."""
@@ -1426,8 +1478,11 @@ def test_resume_and_replot_refuse_other_flags_and_a_folder_without_a_checkpoint(
         (["--replot", str(tmp_path), "--cluster-timeout", "5"], "leave out --cluster-timeout"),
         (["--resume", str(tmp_path), "--solved-return", "100"], "leave out --solved-return"),
         # how often to save, and a cluster's flags, are this command's: on to the checkpoint
-        (["--resume", str(tmp_path), "--checkpoint-every", "7"], "no checkpoint to resume"),
+        (["--resume", str(tmp_path), "--checkpoint-every", "7"], "no checkpoint.npz in it"),
         (["--resume", str(tmp_path / "finished")], "its run has ended"),
+        # it said "checkpoint.npz is not an .npz archive" for each
+        (["--resume", str(tmp_path / "missing")], "missing: no such folder"),
+        (["--resume", str(tmp_path / "finished" / "summary.json")], "json: not a folder"),
         (["--resume", str(tmp_path / "gridworld")], "not a run of dqn_cartpole.py ("),
     ]:
         for name, config in (("finished", {}), ("gridworld", {"layout": "four_rooms"})):

@@ -532,6 +532,17 @@ def test_a_large_grid_draws_readable_figures(tmp_path, monkeypatch):
     ]
 
 
+def test_swept_values_are_shown_with_the_digits_that_tell_them_apart():
+    """Two gammas that differ in float32 are two grid points; with `:g` the table, the panel
+    titles, the legend and the ticks showed 0.999999 for both."""
+    assert pq.apart([0.999999, 0.9999991, 0.999999]) == {
+        0.999999: "0.999999",
+        0.9999991: "0.9999991",
+    }
+    assert pq.apart([0.05, 0.1, 0.5]) == {0.05: "0.05", 0.1: "0.1", 0.5: "0.5"}  # as :g
+    assert pq.ticks([0.05, 0.1, 0.5, 1.0], most=2) == (range(0, 4, 2), ["0.05", "0.5"])
+
+
 def test_one_seed_heatmap_shows_its_values_not_an_interval_of_nans(tmp_path, monkeypatch):
     """One seed has no 95% CI: each cell shows the seed's value (it showed '[nan, nan]')."""
     pq.main(["--num-seeds", "1", "--total-timesteps", "1000", "--output-dir", str(tmp_path)])

@@ -114,19 +114,14 @@ def test_overwrite_removes_a_runs_files_and_nothing_else(script, tmp_path):
         (tmp_path / name).touch()
         script.temporary(tmp_path / name).touch()
     (tmp_path / "notes.md").touch()  # put there while the new run trained
-    if script is dqn_cartpole:  # clears the folder as it starts: its checkpoints go there
-        script.clear_folder(tmp_path)
-    else:  # the tabular scripts set the previous run aside while they write the new one
-        with script.replacing(tmp_path):
-            pass
+    with script.replacing(tmp_path):  # the previous run set aside while the new one is written
+        pass
     assert [path.name for path in tmp_path.iterdir()] == ["notes.md"]
 
 
 def test_overwrite_keeps_the_previous_run_if_the_new_one_cannot_be_written(script, tmp_path):
     """A full disk as --overwrite writes the new run: the previous run's files stay as they
     were, and none of the new one's (they were removed before the writing once)."""
-    if script is dqn_cartpole:
-        pytest.skip("the DQN clears the folder as it starts: its checkpoints go there")
     for name in script.RUN_NAMES:
         (tmp_path / name).write_text(f"previous {name}")
     (tmp_path / "notes.md").touch()
