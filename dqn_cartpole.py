@@ -1442,12 +1442,11 @@ def check_params(params, network: QNetwork, env, folder: str, agents: int) -> No
         raise ValueError(f"--load {folder}: its params.msgpack does not hold its {agents} agents")
 
 
-def with_run(saved: Config, given: dict, folder: str) -> dict:
-    """The Config values of this command with the saved run's env, network and seeds. One given
-    that disagrees is a ValueError; ours and gymnax's CartPole agree (the same task, checked)."""
-    names = ("env", "hidden_sizes", "layer_norm", "num_seeds")
-    run = {name: getattr(saved, name) for name in names}
-    for name, theirs in run.items():
+def check_same_run(saved: Config, given: dict, folder: str) -> None:
+    """--load: the env, network and seeds given must be the saved run's, or a ValueError; ours
+    and gymnax's CartPole agree (the same task, checked)."""
+    for name in ("env", "hidden_sizes", "layer_norm", "num_seeds"):
+        theirs = getattr(saved, name)
         mine = given.get(name, theirs)
         same = gymnax_id(mine) == gymnax_id(theirs) if name == "env" else mine == theirs
         if not same:
@@ -1455,7 +1454,6 @@ def with_run(saved: Config, given: dict, folder: str) -> dict:
                 f"{flag(name)} {shown(mine)} disagrees with the run in {folder} "
                 f"({shown(theirs)}): leave it out to use the run's"
             )
-    return {**run, **given}
 
 
 def plural(n: int, word: str) -> str:
@@ -1549,9 +1547,10 @@ def run_training(config, points, env, network, plan, environment, output, checkp
 
 def parse_command(argv: list[str] | None):
     """(args, Config, grid points, saved params or None, checkpoint or None) from the command
-    line. A flag left out takes the Config's default, or with --load the saved run's env and
-    network; --resume takes the whole run from its checkpoint; a sweep's Config holds its first
-    grid point. ValueError('--flag problem') for a bad input."""
+    line. A flag left out takes the Config's default; --load takes the saved run's config and
+    grid points, but for how to evaluate (seed, episodes, folder, its env by another name);
+    --resume takes the whole run from its checkpoint; a sweep's Config holds its first grid
+    point. ValueError('--flag problem') for a bad input."""
     args = build_parser().parse_args(argv)
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)}
     given = {name: value for name, value in given.items() if value is not None}
@@ -1562,14 +1561,19 @@ def parse_command(argv: list[str] | None):
             raise ValueError(f"--{name} must name a run's folder")
     if args.solved_return is not None and not abs(args.solved_return) < 3.4e38:  # NaN too
         raise ValueError("--solved-return must be a finite float32")
-    # --replot and --resume take the saved run as it is: no other flag may change it. --resume may
-    # say how often to save, and how the processes of a cluster meet.
+    # --replot, --resume and --load take the saved run as it is: no other flag may change it.
+    # --resume may say how often to save, and how the processes of a cluster meet; --load how
+    # to evaluate, and the run's env and network again (they must agree).
     defaults = vars(build_parser().parse_args([]))
     others = [flag(name) for name, value in vars(args).items() if value != defaults[name]]
     cluster = ("--coordinator-address", "--num-processes", "--process-id", "--cluster-timeout")
+    evaluating = ("seed", "eval_episodes", "env", "output_dir")
+    agreeing = ("hidden_sizes", "layer_norm", "num_seeds")  # check_same_run checks them
+    loading = (*map(flag, (*evaluating, *agreeing)), "--render", "--solved-return", "--overwrite")
     for name, what, free in (
         ("--replot", "redraws the saved run", ()),
         ("--resume", "continues the run", ("--checkpoint-every", *cluster)),
+        ("--load", "evaluates the run", (*loading, *cluster)),
     ):
         if getattr(args, name[2:]) and (rest := [f for f in others if f not in (name, *free)]):
             raise ValueError(f"{name} {what} as it was saved; leave out {rest[0]}")
@@ -1577,20 +1581,17 @@ def parse_command(argv: list[str] | None):
         config, points, args.solved_return, start, every = load_checkpoint(args.resume)
         args.checkpoint_every = every if args.checkpoint_every is None else args.checkpoint_every
         return args, config, points, None, start
+    if args.load:  # load_summary.json records the config the params were trained with
+        saved, params, points = load_run(args.load)
+        check_same_run(saved, given, args.load)
+        config = dataclasses.replace(saved, **{n: given[n] for n in evaluating if n in given})
+        return args, config, points or [saved.hparams()._asdict()], params, None
     args.checkpoint_every = 25_000 if args.checkpoint_every is None else args.checkpoint_every
     lists = {
         name: given.pop(name, (value,)) for name, value in Config().hparams()._asdict().items()
     }
-    points, params = grid_points(lists), None
-    if args.load:  # the env and network must match the saved params; the rest is this command's
-        if len(points) > 1:
-            raise ValueError(
-                "--load evaluates the saved run's own grid points; leave out the lists"
-            )
-        saved, params, saved_points = load_run(args.load)
-        given = with_run(saved, given, args.load)
-        points = saved_points or points[:1]
-    return args, Config(**given, **points[0]), points, params, None
+    points = grid_points(lists)
+    return args, Config(**given, **points[0]), points, None, None
 
 
 def run_folder(template: str, overwrite: bool) -> str:

@@ -826,11 +826,11 @@ def test_cli_sweep_on_acrobot_then_load_takes_env_and_network_from_the_run(
     out = capsys.readouterr().out
     assert "Acrobot-v1" in out and "best first" in out and "gamma 0.995" in out, out
 
-    # Neither --env nor --hidden-sizes given: both come from the run (the default is cartpole).
+    # Neither --env nor --hidden-sizes given: both come from the run (the default is cartpole),
+    # and so does the rest of the config load_summary.json records (it recorded the defaults).
     dqn.main(["--load", str(run), "--eval-episodes", "1"])
     loaded = json.loads((run / "load_summary.json").read_text())
-    assert loaded["config"]["env"] == "gymnax:Acrobot-v1"
-    assert loaded["config"]["hidden_sizes"] == [8]
+    assert loaded["config"] == summary["config"] | {"output_dir": str(run)}
     assert [point["hparams"]["gamma"] for point in loaded["grid"]] == [0.99, 0.995]
     assert all(point["final_eval_return"][0] <= 0 for point in loaded["grid"])  # -1 per step
 
@@ -838,6 +838,10 @@ def test_cli_sweep_on_acrobot_then_load_takes_env_and_network_from_the_run(
         (["--load", str(run), "--env", "cartpole"], "--env"),
         (["--load", str(run), "--hidden-sizes", "16"], "--hidden-sizes"),
         (["--load", str(run), "--render"], "--render"),
+        # training's flags: --total-timesteps 100 was "--learning-starts must be below ..."
+        (["--load", str(run), "--total-timesteps", "100"], "run as it was saved; leave out --tot"),
+        (["--load", str(run), "--gamma", "0.9,0.99"], "leave out --gamma"),
+        (["--load", str(run), "--checkpoint-every", "7"], "leave out --checkpoint-every"),
     ]:
         capsys.readouterr()
         with pytest.raises(SystemExit):
