@@ -1581,10 +1581,12 @@ def parse_command(argv: list[str] | None):
         config, points, args.solved_return, start, every = load_checkpoint(args.resume)
         args.checkpoint_every = every if args.checkpoint_every is None else args.checkpoint_every
         return args, config, points, None, start
-    if args.load:  # load_summary.json records the config the params were trained with
-        saved, params, points = load_run(args.load)
+    if args.load:  # load_summary.json records the config the params were trained with, and
+        saved, params, points = load_run(args.load)  # how they were evaluated: seed, episodes
         check_same_run(saved, given, args.load)
-        config = dataclasses.replace(saved, **{n: given[n] for n in evaluating if n in given})
+        fresh = {"seed": Config().seed, "eval_episodes": Config().eval_episodes}  # unless given
+        fresh |= {name: given[name] for name in evaluating if name in given}
+        config = dataclasses.replace(saved, **fresh)
         return args, config, points or [saved.hparams()._asdict()], params, None
     args.checkpoint_every = 25_000 if args.checkpoint_every is None else args.checkpoint_every
     lists = {
@@ -1704,14 +1706,17 @@ def replacing(folder: Path):
 TO_REPLACE = set()  # folders whose previous run (--overwrite) this run has not yet written over
 
 
+@contextlib.contextmanager
 def writing(folder: Path):
     """The context of a run's writes into its folder. The first replaces a previous run there
     (--overwrite), which stays as it was until then: a run that ends before it saves anything
     (an error, Ctrl-C twice, a kill) leaves it."""
-    if folder in TO_REPLACE:
-        TO_REPLACE.remove(folder)  # a write that fails puts it back, and ends the script
-        return replacing(folder)
-    return contextlib.nullcontext()
+    if folder not in TO_REPLACE:
+        yield
+        return
+    with replacing(folder):
+        yield
+    TO_REPLACE.discard(folder)
 
 
 def check_backend() -> None:
@@ -1790,6 +1795,7 @@ def replot(folder: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     FOUND_EMPTY.clear()  # an earlier main()'s checks: --load and --resume make none of their own
+    TO_REPLACE.clear()  # and an earlier main()'s run to replace, stopped before it wrote
     try:
         args, config, points, params, checkpoint = parse_command(argv)
         if args.replot:
@@ -1818,10 +1824,11 @@ def main(argv: list[str] | None = None) -> None:
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
         if args.load:  # the saved params must be this env's and network's, one per agent
             check_params(params, network, env, args.load, len(points) * config.num_seeds)
-        terms, held_bytes = memory_need(config, env, network)
-        check_memory(terms, held_bytes, len(points) * config.num_seeds)
-        need = sum(terms.values())
-        plan = None if args.load else plan_seeds(len(points) * config.num_seeds, need)
+        plan = None  # --load holds no replay buffer: its run's training sizes do not apply
+        if not args.load:
+            terms, held_bytes = memory_need(config, env, network)
+            check_memory(terms, held_bytes, len(points) * config.num_seeds)
+            plan = plan_seeds(len(points) * config.num_seeds, sum(terms.values()))
         if jax.process_index() == 0:  # last: a refused run leaves nothing behind
             try:
                 output = make_folder(str(output))
@@ -1829,8 +1836,9 @@ def main(argv: list[str] | None = None) -> None:
                 raise ValueError(f"{named_by}: {error}") from None
             config = dataclasses.replace(config, output_dir=str(output))
             kept = {Path(run).resolve() for run in (args.load, args.resume) if run}
-            if output.resolve() not in kept:  # a loaded or resumed run keeps its files
-                TO_REPLACE.add(output)
+            held = any((output / name).exists() for name in RUN_NAMES)
+            if args.overwrite and held and output.resolve() not in kept:  # a loaded or resumed
+                TO_REPLACE.add(output)  # run keeps its files
     except (ValueError, MemoryError, OSError) as error:
         print(f"dqn_cartpole.py: error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -1866,17 +1874,18 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(128 + stopped if stopped else 0)
         summary = summarize(config, environment, points, results, **extra)
         summary["wall_time_s"] = time.perf_counter() - start  # up to the training's end
-        with writing(output):
+        with writing(output):  # the data; a figure that cannot be written does not undo it
             if args.load:
                 write_json(output / "load_summary.json", summary)
             else:
                 save_run(output, summary, points, out)
-                plot_run(output)
-                # --load of a stopped run writes these for its params, which --resume replaces
-                for stale in ("load_summary.json", "render.gif"):
-                    (output / stale).unlink(missing_ok=True)
-                if not stopped:  # a finished run needs no checkpoint
-                    (output / CHECKPOINT).unlink(missing_ok=True)
+        if not args.load:
+            plot_run(output)
+            # --load of a stopped run writes these for its params, which --resume replaces
+            for stale in ("load_summary.json", "render.gif"):
+                (output / stale).unlink(missing_ok=True)
+            if not stopped:  # a finished run needs no checkpoint
+                (output / CHECKPOINT).unlink(missing_ok=True)
         if args.render:
             render_median(config, env, network, params, returns, output / "render.gif")
         name = "load_summary.json" if args.load else "summary.json"
@@ -1908,7 +1917,10 @@ def resume_hint(output: Path) -> str:
             return path
         return path if relative.split(os.sep)[0] == os.pardir else relative
 
-    command = [from_here(sys.executable), from_here(__file__), "--resume", str(output)]
+    python = from_here(sys.executable) if sys.executable else "python"  # "": embedded Python
+    if sys.executable and os.sep not in python:  # a bare name would be looked up on PATH
+        python = os.path.join(".", python)
+    command = [python, from_here(__file__), "--resume", str(output)]
     return f"to go on: {shlex.join(command)}"
 
 

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 from functools import partial
+from pathlib import Path
 
 import flax
 import gymnasium
@@ -857,6 +858,11 @@ def test_cli_sweep_on_acrobot_then_load_takes_env_and_network_from_the_run(
             ["--total-timesteps", "100", "--learning-starts", "100", "--output-dir", str(copy)]
         )
     shutil.copytree(run, copy)  # a run arrives there, later
+    # ... trained with a replay buffer no machine here holds: evaluating it needs none (--load
+    # refused it, "lower --buffer-size", and then refused --buffer-size)
+    saved = json.loads((copy / "summary.json").read_text())
+    saved["config"]["buffer_size"] = 2_000_000_000
+    (copy / "summary.json").write_text(json.dumps(saved))
     dqn.main(["--load", str(copy), "--eval-episodes", "1"])
     assert (copy / "load_summary.json").exists()
 
@@ -1430,8 +1436,10 @@ def test_stopped_at_once_before_anything_was_saved_leaves_no_folder(tmp_path):
 def test_overwrite_keeps_the_previous_run_until_the_new_one_saves(tmp_path, monkeypatch):
     """--overwrite removed the previous run as the new one started, so a run stopped at once (a
     second Ctrl-C, here raised after the first block), an error or a kill lost both. Now the
-    previous run stays as it was until the new one saves: its first checkpoint replaces it."""
-    folder = tmp_path / "run"
+    previous run stays as it was until the new one saves: its first checkpoint replaces it, or
+    its data at the end (a figure that then cannot be written does not undo them). Only a
+    folder that held a run, under --overwrite, is one to replace; and only in its own main()."""
+    folder, fresh = tmp_path / "run", tmp_path / "fresh"
     folder.mkdir()
     previous = {name: f"previous {name}" for name in [*dqn.RUN_FILES, "learning_curves.png"]}
     for name, text in previous.items():
@@ -1445,17 +1453,46 @@ def test_overwrite_keeps_the_previous_run_until_the_new_one_saves(tmp_path, monk
             raise KeyboardInterrupt
 
     monkeypatch.setattr(dqn.Progress, "__call__", interrupt)
-    argv = [*TINY_ARGS, "--output-dir", str(folder), "--overwrite", "--checkpoint-every"]
     stop_after = 1  # no checkpoint yet
+    with pytest.raises(KeyboardInterrupt):  # a new folder: nothing to replace
+        dqn.main([*TINY_ARGS, "--output-dir", str(fresh), "--overwrite"])
+    assert not dqn.TO_REPLACE  # the stopped script's line said "the run it was to replace stays"
+    argv = [*TINY_ARGS, "--output-dir", str(folder), "--overwrite", "--checkpoint-every"]
+    blocks.clear()
     with pytest.raises(KeyboardInterrupt):
         dqn.main([*argv, "0"])
     assert {path.name: path.read_text() for path in folder.iterdir()} == previous
     assert folder in dqn.TO_REPLACE  # the stopped script's line: "the run it was to replace"
+    with pytest.raises(SystemExit):  # the next main() in this process (a notebook) starts anew
+        dqn.main(["--resume", str(tmp_path / "missing")])
+    assert not dqn.TO_REPLACE  # a --load of the run would have replaced it with its summary
     blocks.clear()
     stop_after = 2  # after the first block's checkpoint
     with pytest.raises(KeyboardInterrupt):
         dqn.main([*argv, "500"])
     assert [path.name for path in folder.iterdir()] == [dqn.CHECKPOINT] and not dqn.TO_REPLACE
+    stop_after = 0  # to the end, where the figure cannot be written: the data stay
+    monkeypatch.setattr(dqn, "plot_run", lambda output: sys.exit("cannot write the figure"))
+    with pytest.raises(SystemExit):
+        dqn.main([*argv, "0"])
+    assert sorted(path.name for path in folder.iterdir()) == sorted(dqn.RUN_FILES)
+    assert json.loads((folder / "summary.json").read_text())["steps_done"] == 1_000
+
+
+def test_the_line_to_go_on_names_a_python_in_this_folder_by_its_path(monkeypatch):
+    """Run from the folder of its Python, the line named it `python`, which a shell looks up on
+    PATH (another Python, maybe without jax); with no path to it (an embedded Python), a
+    ValueError's traceback."""
+    monkeypatch.chdir(Path(sys.executable).parent)
+    python = shlex.split(dqn.resume_hint(Path("run")))[3]
+    assert python == os.path.join(".", Path(sys.executable).name), python
+    monkeypatch.setattr(sys, "executable", "")
+    assert shlex.split(dqn.resume_hint(Path("run")))[3:] == [
+        "python",
+        dqn.__file__,
+        "--resume",
+        "run",
+    ]
 
 
 def test_stopped_at_once_says_how_to_go_on_from_the_last_checkpoint(tmp_path):
