@@ -1836,7 +1836,8 @@ def main(argv: list[str] | None = None) -> None:
                 raise ValueError(f"{named_by}: {error}") from None
             config = dataclasses.replace(config, output_dir=str(output))
             kept = {Path(run).resolve() for run in (args.load, args.resume) if run}
-            held = any((output / name).exists() for name in RUN_NAMES)
+            ours = [f(output / name) for name in RUN_NAMES for f in (Path, temporary, set_aside)]
+            held = any(path.exists() for path in ours)  # a run's files, or what a crash left
             if args.overwrite and held and output.resolve() not in kept:  # a loaded or resumed
                 TO_REPLACE.add(output)  # run keeps its files
     except (ValueError, MemoryError, OSError) as error:
