@@ -1013,6 +1013,12 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int
             f"--resume {folder}: its run has ended (only a stopped run has a checkpoint)"
         )
     if not (Path(folder) / CHECKPOINT).exists():
+        aside = set_aside(Path(folder) / CHECKPOINT)  # --overwrite's, killed as it first wrote
+        if aside.exists():
+            raise ValueError(
+                f"--resume {folder}: no {CHECKPOINT}, but {aside.name}, which a run killed as it "
+                "replaced this one set aside: rename it to go on"
+            )
         raise ValueError(f"--resume {folder}: no {CHECKPOINT} in it (a stopped run saves one)")
     try:
         if not zipfile.is_zipfile(Path(folder) / CHECKPOINT):  # np.load would try a pickle
@@ -1581,8 +1587,8 @@ def parse_command(argv: list[str] | None):
         config, points, args.solved_return, start, every = load_checkpoint(args.resume)
         args.checkpoint_every = every if args.checkpoint_every is None else args.checkpoint_every
         return args, config, points, None, start
-    if args.load:  # load_summary.json records the config the params were trained with, and
-        saved, params, points = load_run(args.load)  # how they were evaluated: seed, episodes
+    if args.load:  # load_summary.json records the run's config, with how this command
+        saved, params, points = load_run(args.load)  # evaluated it: seed, episodes, folder
         check_same_run(saved, given, args.load)
         fresh = {"seed": Config().seed, "eval_episodes": Config().eval_episodes}  # unless given
         fresh |= {name: given[name] for name in evaluating if name in given}
@@ -1716,7 +1722,7 @@ def writing(folder: Path):
         return
     with replacing(folder):
         yield
-    TO_REPLACE.discard(folder)
+        TO_REPLACE.discard(folder)  # written: the folder holds this run, whatever comes next
 
 
 def check_backend() -> None:
@@ -1856,7 +1862,7 @@ def main(argv: list[str] | None = None) -> None:
         except BaseException:  # stopped: leave no empty folder
             remove_if_empty(output)
             raise
-        extra, stopped = {}, None
+        extra, stopped = {"loaded_from": str(Path(args.load).resolve())}, None
     # From the end of training (run_training handles signals until then), a signal waits until
     # the run is written: no moment between the two where it would lose the trained run.
     with written_whole():

@@ -861,10 +861,19 @@ def test_cli_sweep_on_acrobot_then_load_takes_env_and_network_from_the_run(
     # ... trained with a replay buffer no machine here holds: evaluating it needs none (--load
     # refused it, "lower --buffer-size", and then refused --buffer-size)
     saved = json.loads((copy / "summary.json").read_text())
-    saved["config"]["buffer_size"] = 2_000_000_000
+    saved["config"] |= {"buffer_size": 2_000_000_000, "seed": 5, "eval_episodes": 3}
     (copy / "summary.json").write_text(json.dumps(saved))
     dqn.main(["--load", str(copy), "--eval-episodes", "1"])
     assert (copy / "load_summary.json").exists()
+    # Evaluated with this command's seed and episodes, 0 and 10 unless given, not the run's.
+    config = dqn.parse_command(["--load", str(copy)])[1]
+    assert (config.seed, config.eval_episodes, config.buffer_size) == (0, 10, 2_000_000_000)
+    assert dqn.parse_command(["--load", str(copy), "--seed", "7"])[1].seed == 7
+    # Into another run's folder, with --overwrite: that run is replaced; the summary says whence.
+    dqn.main(["--load", str(copy), "--eval-episodes", "1", "--output-dir", str(run), "--overwrite"])
+    assert [path.name for path in run.iterdir()] == ["load_summary.json"]
+    loaded = json.loads((run / "load_summary.json").read_text())
+    assert loaded["loaded_from"] == str(copy.resolve()) and loaded["config"]["seed"] == 0
 
 
 def test_scores_with_and_without_a_solved_return():
@@ -1457,6 +1466,11 @@ def test_overwrite_keeps_the_previous_run_until_the_new_one_saves(tmp_path, monk
     with pytest.raises(KeyboardInterrupt):  # a new folder: nothing to replace
         dqn.main([*TINY_ARGS, "--output-dir", str(fresh), "--overwrite"])
     assert not dqn.TO_REPLACE  # the stopped script's line said "the run it was to replace stays"
+    (fresh / ".curves.tmp.csv").touch()  # as a crash in a write leaves it: cleaned as it writes
+    blocks.clear()
+    with pytest.raises(KeyboardInterrupt):
+        dqn.main([*TINY_ARGS, "--output-dir", str(fresh), "--overwrite"])
+    assert fresh in dqn.TO_REPLACE
     argv = [*TINY_ARGS, "--output-dir", str(folder), "--overwrite", "--checkpoint-every"]
     blocks.clear()
     with pytest.raises(KeyboardInterrupt):
@@ -1574,4 +1588,8 @@ def test_a_checkpoint_that_does_not_hold_together_is_one_line(tmp_path):
             dqn.load_checkpoint(path)
     (tmp_path / dqn.CHECKPOINT).write_bytes(os.urandom(1000))  # np.load: "allow_pickle=..."
     with pytest.raises(ValueError, match=r"\(checkpoint.npz is not an .npz archive\)$"):
+        dqn.load_checkpoint(str(tmp_path))
+    # A run killed as --overwrite first wrote over this one: its checkpoint is set aside.
+    (tmp_path / dqn.CHECKPOINT).rename(dqn.set_aside(tmp_path / dqn.CHECKPOINT))
+    with pytest.raises(ValueError, match="no checkpoint.npz, but .checkpoint.old.npz, which a run"):
         dqn.load_checkpoint(str(tmp_path))
