@@ -2063,9 +2063,10 @@ if __name__ == "__main__":
         signum = interrupt.args[0] if isinstance(interrupt, Stopped) else signal.SIGINT
         unfinished = "unfinished; no file half-written"
         kept = [folder for folder in LOCKED if (folder / CHECKPOINT).exists()]
-        if TO_REPLACE:  # --overwrite: nothing of this run written over the previous one
-            unfinished += "; the run it was to replace stays"
-        elif kept:  # one saved before (--checkpoint-every, or the one a --resume started from)
+        if any((folder / name).exists() for folder in TO_REPLACE for name in RUN_NAMES):
+            unfinished += "; the run it was to replace stays"  # --overwrite: nothing written yet
+        # One saved before: --checkpoint-every's, the one a --resume started from, a replaced run's.
+        if kept:
             unfinished += f"; its last checkpoint stays, {resume_hint(kept[0])}"
         message = f"dqn_cartpole.py: stopped by {SIGNALS[signum]}, {unfinished}"
         print(message, file=sys.stderr, flush=True)

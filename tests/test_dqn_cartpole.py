@@ -1511,15 +1511,23 @@ def test_the_line_to_go_on_names_a_python_in_this_folder_by_its_path(monkeypatch
 
 def test_stopped_at_once_says_how_to_go_on_from_the_last_checkpoint(tmp_path):
     """Ctrl-C twice while a resumed run compiles: it stops at once, unsaved, and the checkpoint
-    it started from stays: the line says so, and how to go on (it said only "unfinished")."""
+    it started from stays: the line says so, and how to go on (it said only "unfinished"). So
+    does a run that was to replace it (--overwrite): the stopped run stays as it was, and the
+    line says how to go on with it (it said only that the run stayed)."""
     folder = tmp_path / "run"
     argv = [dqn.__file__, *RESUME_ARGS, "--output-dir", str(folder)]
     assert run_and_interrupt(argv, signal.SIGTERM, "%  train")[0] == 143  # saved after a block
+    saved = (folder / dqn.CHECKPOINT).read_bytes()
     code, printed = ctrl_c_twice(["--resume", str(folder)])
     assert code == 130, printed
     assert "its last checkpoint stays, to go on: " in printed[-1], printed
     assert_goes_on(printed[-1].strip(), folder)
-    assert (folder / dqn.CHECKPOINT).exists()
+    code, printed = ctrl_c_twice([*RESUME_ARGS, "--output-dir", str(folder), "--overwrite"])
+    assert code == 130, printed
+    stays = "the run it was to replace stays; its last checkpoint stays, to go on: "
+    assert stays in printed[-1], printed
+    assert_goes_on(printed[-1].strip(), folder)
+    assert (folder / dqn.CHECKPOINT).read_bytes() == saved
 
 
 def test_resume_and_replot_refuse_other_flags_and_a_folder_without_a_checkpoint(tmp_path, capsys):
