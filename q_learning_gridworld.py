@@ -184,7 +184,7 @@ class GridWorld:
 # ----- Agent ------------------------------------------------------------------------------
 
 # One random 32-bit word a step, two 16-bit fields: the low half decides explore vs exploit, the
-# high half picks the action. One word, not several floats: drawing is the loop's largest cost.
+# high half picks the action. One draw a step, not a float and an integer (see README).
 RANDOM_FIELD_BITS = 16
 RANDOM_FIELD_MASK = (1 << RANDOM_FIELD_BITS) - 1
 
