@@ -101,4 +101,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -1,8 +1,28 @@
 """What the benchmarks' command lines share: counts that must be at least 1, and a bad one is
-one line naming its flag (as in the three scripts), not a traceback after minutes of runs."""
+one line naming its flag (as in the three scripts), not a traceback after minutes of runs; and
+a Ctrl-C that is one line, exit 130, wherever it lands (run)."""
 
 import argparse
+import signal
 import sys
+from collections.abc import Callable
+from pathlib import Path
+
+# Run as a benchmark (not imported by a test): a Ctrl-C while the imports after this one load
+# jax waits for run(), as in the three scripts. A Ctrl-C that was ignored stays ignored.
+if Path(sys.argv[0]).resolve().parent == Path(__file__).resolve().parent:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def run(main: Callable[[], None]) -> None:
+    """main(), a Ctrl-C one line and exit 130 instead of a traceback. A yardstick or script it
+    runs as a subprocess gets the Ctrl-C too (the same process group) and stops on its own."""
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # one that came raises here
+        main()
+    except KeyboardInterrupt:
+        print(f"{Path(sys.argv[0]).name}: stopped by Ctrl-C", file=sys.stderr)
+        sys.exit(130)
 
 
 def parser(doc: str) -> argparse.ArgumentParser:

@@ -29,9 +29,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 # This file is also called parallel_q_learning: the script's folder must come first.
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(HERE)]
+
+import cli  # noqa: E402  (next to this file: a Ctrl-C is one line)
 
 # Imported before jax: it shows each CPU core to jax as a device.
 import parallel_q_learning as pq  # noqa: E402
@@ -42,7 +45,7 @@ import jax  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-ARTICLE = Path(__file__).resolve().parent / "article_q_learning.py"
+ARTICLE = HERE / "article_q_learning.py"
 HPARAMS = pq.HParams(learning_rate=0.1, epsilon=0.1, gamma=0.9)  # the article's
 RATIO_AGENTS = 4096  # the headline compares this many agents on all devices
 # One agent is dominated by the fixed cost of each block of random bits, so it prefers long
@@ -167,6 +170,17 @@ def plot(bench: dict, path: Path) -> None:
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_whole(path: Path, write: Callable[[Path], None]) -> None:
+    """write(a temporary path), then rename it to `path`: a stop or a crash leaves the file of
+    a previous run or the new one, never half of one."""
+    temporary = path.with_name(f".{path.stem}.tmp{path.suffix}")  # the suffix tells the format
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -312,10 +326,11 @@ def measure(args: argparse.Namespace, env: pq.GridWorld) -> None:
         "yardstick": article,
         "ratios": ratios,
     }
-    (output / "benchmark.json").write_text(json.dumps(bench, indent=2) + "\n")
-    plot(bench, output / "benchmark.png")
+    text = json.dumps(bench, indent=2) + "\n"
+    write_whole(output / "benchmark.json", lambda path: path.write_text(text))
+    write_whole(output / "benchmark.png", lambda path: plot(bench, path))
     print(f"wrote benchmark.json and benchmark.png to {output}/")
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

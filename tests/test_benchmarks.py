@@ -1,9 +1,13 @@
 """The benchmarks' command lines (their runs at a tiny size are tested beside each script)."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 BAD = {  # benchmark and arguments: the flag its one line must name
@@ -56,3 +60,33 @@ def test_a_yardstick_that_cannot_run_is_one_line_before_ours_compile(tmp_path):
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 2 and len(lines) == 1 and "--yardstick-agents" in lines[0], lines
     assert "compiling" not in run.stdout and not output.exists()
+
+
+def sigint_blocked(pid: int) -> bool:
+    """Whether process `pid` holds Ctrl-C blocked (Linux: SigBlk in /proc/PID/status)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:"))
+    return bool(int(mask, 16) & (1 << (signal.SIGINT - 1)))
+
+
+def has_child(pid: int) -> bool:
+    return bool(Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+
+
+@pytest.mark.parametrize("when", [sigint_blocked, has_child], ids=["while jax loads", "yardstick"])
+def test_ctrl_c_is_one_line(when):
+    """Ctrl-C to a benchmark's process group, as a terminal sends it: one line, exit 130, no
+    traceback (it was Python's traceback from wherever it landed). While the imports load jax
+    the Ctrl-C waits for the handler; during the yardstick's run, its subprocess stops too."""
+    argv = [str(BENCHMARKS / "q_learning_gridworld.py"), "--timesteps", "2000000", "--repeats", "1"]
+    pipe = subprocess.PIPE
+    process = subprocess.Popen([sys.executable, *argv], stdout=pipe, stderr=pipe, text=True,
+                               start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not when(process.pid) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert process.poll() is None, process.communicate()
+    os.killpg(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130, (out, err)
+    assert err.strip().splitlines() == ["q_learning_gridworld.py: stopped by Ctrl-C"], err

@@ -760,6 +760,26 @@ def test_benchmark_runs_at_a_tiny_size(tmp_path):
     assert any("on 1 device" in name for name in bench["ratios"])
     assert any(name.endswith("/ yardstick") for name in bench["ratios"])
     assert (output / "benchmark.png").stat().st_size > 0
+    assert sorted(path.name for path in output.iterdir()) == ["benchmark.json", "benchmark.png"]
+
+
+def test_benchmark_files_are_written_whole(tmp_path):
+    """A write cut short (a Ctrl-C, a full disk) leaves the previous run's file as it was and no
+    temporary file; one that ends replaces it."""
+    write_whole, path = load_benchmark().write_whole, tmp_path / "benchmark.json"
+    path.write_text("the previous run")
+
+    def cut_short(temporary):
+        temporary.write_text("half of")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_whole(path, cut_short)
+    assert [p.name for p in tmp_path.iterdir()] == ["benchmark.json"]
+    assert path.read_text() == "the previous run"
+    write_whole(path, lambda temporary: temporary.write_text("this run"))
+    assert [p.name for p in tmp_path.iterdir()] == ["benchmark.json"]
+    assert path.read_text() == "this run"
 
 
 @pytest.mark.parametrize("kind", ["device", "fifo", "too_large", "shadows_a_built_in"])
