@@ -90,3 +90,20 @@ def test_ctrl_c_is_one_line(when):
     out, err = process.communicate(timeout=60)
     assert process.returncode == 130, (out, err)
     assert err.strip().splitlines() == ["q_learning_gridworld.py: stopped by Ctrl-C"], err
+
+
+def test_ctrl_c_stops_a_benchmark_that_runs_the_dqn_in_process():
+    """dqn_sweep.py runs dqn_cartpole.main() in this process: a Ctrl-C ends the benchmark at
+    once, one line, exit 130 (the DQN's own stop waited for the block to end, which is the whole
+    run here, wrote that temporary run, and then exited 1 with the DQN's line)."""
+    argv = [str(BENCHMARKS / "dqn_sweep.py"), "--seeds", "1", "--timesteps", "20000"]
+    pipe = subprocess.PIPE
+    process = subprocess.Popen([sys.executable, *argv, "--repeats", "2"], stdout=pipe,
+                               stderr=pipe, text=True, start_new_session=True)  # fmt: skip
+    first = process.stdout.readline()  # round 1's first side: the second side trains now
+    assert first.startswith("round 1/2"), (first, process.communicate())
+    time.sleep(1)
+    os.killpg(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, (out, err)
+    assert err.strip().splitlines() == ["dqn_sweep.py: stopped by Ctrl-C"], err
