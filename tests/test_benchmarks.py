@@ -96,7 +96,7 @@ def test_ctrl_c_stops_a_benchmark_that_runs_the_dqn_in_process():
     """dqn_sweep.py runs dqn_cartpole.main() in this process: a Ctrl-C ends the benchmark at
     once, one line, exit 130 (the DQN's own stop waited for the block to end, which is the whole
     run here, wrote that temporary run, and then exited 1 with the DQN's line)."""
-    argv = [str(BENCHMARKS / "dqn_sweep.py"), "--seeds", "1", "--timesteps", "20000"]
+    argv = [str(BENCHMARKS / "dqn_sweep.py"), "--seeds", "1", "--timesteps", "2000"]
     pipe = subprocess.PIPE
     process = subprocess.Popen([sys.executable, *argv, "--repeats", "2"], stdout=pipe,
                                stderr=pipe, text=True, start_new_session=True)  # fmt: skip
