@@ -123,7 +123,7 @@ def run_article(timesteps: int, agents: int) -> float:
     match = re.search(r"steps_per_s=([0-9.]+)", done.stdout)
     if done.returncode != 0 or match is None:  # its last line says why (a traceback's end)
         last = ((done.stderr or done.stdout).strip().splitlines() or ["no output"])[-1]
-        pq.fail(f"--yardstick-agents, --yardstick-timesteps: {ARTICLE.name} failed: {last}"[:300])
+        cli.fail(f"--yardstick-agents, --yardstick-timesteps: {ARTICLE.name} failed: {last}"[:300])
     return float(match.group(1))
 
 
@@ -184,10 +184,7 @@ def write_whole(path: Path, write: Callable[[Path], None]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.error = pq.fail  # one line, no usage
+    parser = cli.parser(__doc__)
     counts = {
         "max_agents": (16384, "largest N (N = 1, 4, 16, ... and this one)"),
         "agent_steps": (20_000_000, "agent-steps of one timed run of each JAX measurement"),
@@ -197,23 +194,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "yardstick_agents": (1024, "--num-agents of article_q_learning.py"),
     }
     for name, (default, help_text) in counts.items():
-        parser.add_argument(
-            "--" + name.replace("_", "-"), type=int, default=default, help=help_text
-        )
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=cli.count, default=default, help=help_text)
     output = ROOT / "runs" / "benchmark_parallel_q_learning"
     parser.add_argument("--output-dir", default=str(output), help="where the results go")
-    args = parser.parse_args(argv)
-    for name in counts:
-        if getattr(args, name) < 1:
-            pq.fail(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     env = pq.make_env(pq.DEFAULT_LAYOUT)
     if args.max_agents < jax.device_count():  # the ratios compare runs of an agent a device
-        pq.fail(f"--max-agents: at least one per device ({jax.device_count()})")
+        cli.fail(f"--max-agents: at least one per device ({jax.device_count()})")
     try:  # the largest N must fit in memory; the output folder must be writable; the one-agent
         largest = pq.Config(  # run's steps must fit the script's int32 counters
             num_seeds=args.max_agents,
@@ -225,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         single_agent_config(args)
     except pq.ConfigError as error:
         message = str(error).replace("--num-seeds", "--max-agents")
-        pq.fail(message.replace("--total-timesteps", "--agent-steps"))
+        cli.fail(message.replace("--total-timesteps", "--agent-steps"))
     try:
         measure(args, env)
     except BaseException:  # stopped or failed: no empty folder left

@@ -53,7 +53,12 @@ def run(script: str, args: list[str], processes: int, output: str) -> tuple[floa
         )
         for i in range(processes)
     ]
-    results = [child.communicate() for child in children]
+    try:
+        results = [child.communicate() for child in children]
+    finally:  # stopped (a SIGTERM to this process alone): the children stop too
+        for child in children:
+            child.kill()
+            child.wait()
     wall = time.perf_counter() - start
     if any(child.returncode for child in children):
         sys.exit(f"{' '.join(command)} failed:\n{results[0][1].strip()[-2000:]}")

@@ -69,27 +69,45 @@ def sigint_blocked(pid: int) -> bool:
     return bool(int(mask, 16) & (1 << (signal.SIGINT - 1)))
 
 
-def has_child(pid: int) -> bool:
-    return bool(Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+def children(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
-@pytest.mark.parametrize("when", [sigint_blocked, has_child], ids=["while jax loads", "yardstick"])
-def test_ctrl_c_is_one_line(when):
-    """Ctrl-C to a benchmark's process group, as a terminal sends it: one line, exit 130, no
-    traceback (it was Python's traceback from wherever it landed). While the imports load jax
-    the Ctrl-C waits for the handler; during the yardstick's run, its subprocess stops too."""
-    argv = [str(BENCHMARKS / "q_learning_gridworld.py"), "--timesteps", "2000000", "--repeats", "1"]
+GRIDWORLD = ["q_learning_gridworld.py", "--timesteps", "2000000", "--repeats", "1"]
+TWO_PROCESSES = ["two_processes.py", "parallel_q_learning.py", "--repeats", "1"]
+TWO_PROCESSES += ["--num-seeds", "2", "--total-timesteps", "20000000"]  # trains for a while
+
+
+@pytest.mark.parametrize(
+    "argv, when, signum, group",
+    [
+        (GRIDWORLD, sigint_blocked, signal.SIGINT, True),
+        (GRIDWORLD, children, signal.SIGINT, True),
+        (GRIDWORLD, children, signal.SIGTERM, False),
+        (TWO_PROCESSES, children, signal.SIGHUP, False),
+    ],
+    ids=["ctrl-c while jax loads", "ctrl-c to the yardstick too", "sigterm", "sighup"],
+)
+def test_a_stop_is_one_line(argv, when, signum, group):
+    """Ctrl-C to a benchmark's process group, as a terminal sends it, or SIGTERM or SIGHUP to
+    the benchmark alone, as `kill` or a closed terminal does: one line, exit 128 + the signal, no
+    traceback (a Ctrl-C was Python's traceback from wherever it landed; SIGTERM and SIGHUP ended
+    it silently and left the yardstick or the scripts it runs going). While the imports load
+    jax the signal waits for the handler; the subprocesses a benchmark runs end with it."""
+    command = [sys.executable, str(BENCHMARKS / argv[0]), *argv[1:]]
     pipe = subprocess.PIPE
-    process = subprocess.Popen([sys.executable, *argv], stdout=pipe, stderr=pipe, text=True,
-                               start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(command, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while not when(process.pid) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert process.poll() is None, process.communicate()
-    os.killpg(process.pid, signal.SIGINT)
+    running = children(process.pid)
+    (os.killpg if group else os.kill)(process.pid, signum)
     out, err = process.communicate(timeout=60)
-    assert process.returncode == 130, (out, err)
-    assert err.strip().splitlines() == ["q_learning_gridworld.py: stopped by Ctrl-C"], err
+    assert process.returncode == 128 + signum, (out, err)
+    name = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}[signum]
+    assert err.strip().splitlines() == [f"benchmarks/{argv[0]}: stopped by {name}"], err
+    assert not [child for child in running if Path(f"/proc/{child}").exists()], running
 
 
 def test_ctrl_c_stops_a_benchmark_that_runs_the_dqn_in_process():
@@ -106,4 +124,4 @@ def test_ctrl_c_stops_a_benchmark_that_runs_the_dqn_in_process():
     os.killpg(process.pid, signal.SIGINT)
     out, err = process.communicate(timeout=120)
     assert process.returncode == 130, (out, err)
-    assert err.strip().splitlines() == ["dqn_sweep.py: stopped by Ctrl-C"], err
+    assert err.strip().splitlines() == ["benchmarks/dqn_sweep.py: stopped by Ctrl-C"], err
