@@ -3,10 +3,12 @@ one line naming its flag (as in the three scripts), not a traceback after minute
 a Ctrl-C, SIGTERM or SIGHUP that is one line, exit 128 + the signal, wherever it lands (run)."""
 
 import argparse
+import contextlib
 import os
 import signal
+import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
@@ -24,8 +26,9 @@ if MAIN_FILE and Path(MAIN_FILE).resolve().parent == Path(__file__).resolve().pa
 
 class Stopped(BaseException):
     """A signal, raised where it lands as Ctrl-C raises KeyboardInterrupt, so that `finally`
-    and `with` run on the way out: a temporary file goes, subprocess.run ends its child. args[0]
-    is the signal. A BaseException: an `except Exception` (JAX has some) must not swallow it."""
+    and `with` run on the way out: a temporary file goes, `started` ends its subprocesses.
+    args[0] is the signal. A BaseException: an `except Exception` (JAX has some) must not
+    swallow it."""
 
 
 def stop(signum, frame):
@@ -36,8 +39,8 @@ def stop(signum, frame):
 
 
 def ignore(signum, frame):
-    """A handler that does nothing. Not SIG_IGN: set while a signal is pending, Python would
-    raise OSError('Signal 15 ignored due to race condition')."""
+    """A handler that does nothing. Not SIG_IGN: set while a signal is pending, Python would drop
+    it with an "Exception ignored" OSError('Signal 15 ignored due to race condition')."""
 
 
 def send_again(unraisable) -> None:
@@ -54,24 +57,102 @@ def send_again(unraisable) -> None:
     signal.setitimer(signal.ITIMER_REAL, 0.01)
 
 
+class BestEffortStdout:
+    """stdout, written while it can be: once it cannot (its reader left, `| head -1`; closed,
+    `>&-`), its lines go to /dev/null and the benchmark runs on to write its files."""
+
+    def __init__(self, stream):
+        self.stream = stream or open(os.devnull, "w")  # noqa: SIM115  (None: closed at start)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+    def write(self, text: str) -> int:
+        return self.best_effort(self.stream.write, text) or len(text)
+
+    def flush(self) -> None:
+        self.best_effort(self.stream.flush)
+
+    def best_effort(self, method, *args):
+        try:
+            return method(*args)
+        except OSError:  # a BrokenPipeError, say: from now on, /dev/null
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.stream.fileno())
+            os.close(null)
+
+
 def run(main: Callable[[], None]) -> None:
     """main(); a Ctrl-C, SIGTERM or SIGHUP one line and exit 128 + the signal instead of a
     traceback or a silent end. A terminal's Ctrl-C reaches the yardstick or script a benchmark
     runs as a subprocess too (the same process group); a SIGTERM to the benchmark alone ends
-    that one on the way out."""
+    that one on the way out (started). Once main() has ended, a signal has its default effect."""
+    sys.stdout = BestEffortStdout(sys.stdout)
     sys.unraisablehook = send_again
     for signum in SIGNALS:
         if signal.getsignal(signum) is not signal.SIG_IGN:
             signal.signal(signum, stop)
     try:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # one that came raises here
-        main()
+        try:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # one that came raises here
+            main()
+        finally:  # ended or failed: one that comes from now on waits for the defaults below
+            signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     except Stopped as stopped:
-        print(f"{NAME}: stopped by {SIGNALS[stopped.args[0]]}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        with contextlib.suppress(OSError):  # a stderr gone: the exit status says it alone
+            if sys.stderr is not None:  # None: closed from the start (2>&-)
+                print(f"{NAME}: stopped by {SIGNALS[stopped.args[0]]}", file=sys.stderr, flush=True)
         os._exit(128 + stopped.args[0])  # now: not after the compiled call still running
+    finally:  # not in the interpreter's shutdown (JAX's atexit): no line there, no traceback
+        for signum in SIGNALS:
+            if signal.getsignal(signum) in (stop, ignore):
+                signal.signal(signum, signal.SIG_DFL)
+        signal.setitimer(signal.ITIMER_REAL, 0)  # a signal still to be sent again is dropped
+        sys.unraisablehook = sys.__unraisablehook__
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # one that came: its default effect
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """A Ctrl-C, SIGTERM or SIGHUP that comes during the block (run's handlers in place) waits
+    for its end, then stops the benchmark as anywhere else."""
+    caught = []
+    ours = [signum for signum in SIGNALS if signal.getsignal(signum) is stop]
+    previous = {signum: signal.signal(signum, lambda n, _: caught.append(n)) for signum in ours}
+    try:
+        yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)  # ended: a signal still to be sent is dropped
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if caught:
+        signal.raise_signal(caught[0])
+
+
+@contextlib.contextmanager
+def started(commands: list[list[str]], **kwargs) -> Iterator[list[subprocess.Popen]]:
+    """subprocess.Popen(command, **kwargs) of each command, ended with the block: one still
+    running then (the benchmark stopped by a signal to it alone, or failed) is killed. A stop
+    while they start waits until each has started, so none is left running unseen."""
+    children = []
+    try:
+        with held():
+            for command in commands:
+                children.append(subprocess.Popen(command, **kwargs))
+        yield children
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
+def captured(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(command, capture_output=True, text=True, **kwargs), ended as started's."""
+    pipe = subprocess.PIPE
+    with started([command], stdout=pipe, stderr=pipe, text=True, **kwargs) as [child]:
+        out, err = child.communicate()
+    return subprocess.CompletedProcess(command, child.returncode, out, err)
 
 
 def fail(message: str) -> None:

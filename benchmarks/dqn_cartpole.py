@@ -19,7 +19,6 @@ import dataclasses
 import os
 import re
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -73,7 +72,7 @@ def timed(command: list[str], devices: int, one_core: bool) -> tuple[float, str]
     flags = f"--xla_force_host_platform_device_count={devices}"
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     pin = (lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})) if one_core else None
-    result = subprocess.run(command, capture_output=True, text=True, env=env, preexec_fn=pin)
+    result = cli.captured(command, env=env, preexec_fn=pin)
     lines = [line for line in result.stdout.splitlines() if "steps_per_s=" in line]
     if result.returncode or not lines:
         sys.exit(f"{' '.join(command)} failed:\n{result.stderr.strip()}")

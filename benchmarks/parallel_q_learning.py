@@ -22,7 +22,6 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -119,7 +118,7 @@ def run_article(timesteps: int, agents: int) -> float:
     command += ["--num-agents", str(agents)]
     # The plain CPU platform, as its own docstring runs it (one device, all cores).
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    done = cli.captured(command, env=env)
     match = re.search(r"steps_per_s=([0-9.]+)", done.stdout)
     if done.returncode != 0 or match is None:  # its last line says why (a traceback's end)
         last = ((done.stderr or done.stdout).strip().splitlines() or ["no output"])[-1]
@@ -172,15 +171,21 @@ def plot(bench: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_whole(path: Path, write: Callable[[Path], None]) -> None:
-    """write(a temporary path), then rename it to `path`: a stop or a crash leaves the file of
-    a previous run or the new one, never half of one."""
-    temporary = path.with_name(f".{path.stem}.tmp{path.suffix}")  # the suffix tells the format
+def write_whole(writes: dict[Path, Callable[[Path], None]]) -> None:
+    """Each write(a temporary path), then all renamed to their paths: a stop or a crash leaves
+    the files of a previous run or the new ones, never half of one, nor a new benchmark.json
+    beside an old benchmark.png."""
+    # The suffix last: it tells the format.
+    temporaries = {path: path.with_name(f".{path.stem}.tmp{path.suffix}") for path in writes}
     try:
-        write(temporary)
-        os.replace(temporary, path)
+        for path, write in writes.items():
+            write(temporaries[path])
+        with cli.held():  # all renamed, or none
+            for path, temporary in temporaries.items():
+                os.replace(temporary, path)
     finally:
-        temporary.unlink(missing_ok=True)
+        for temporary in temporaries.values():
+            temporary.unlink(missing_ok=True)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -319,8 +324,9 @@ def measure(args: argparse.Namespace, env: pq.GridWorld) -> None:
         "ratios": ratios,
     }
     text = json.dumps(bench, indent=2) + "\n"
-    write_whole(output / "benchmark.json", lambda path: path.write_text(text))
-    write_whole(output / "benchmark.png", lambda path: plot(bench, path))
+    writes = {output / "benchmark.json": lambda path: path.write_text(text)}
+    writes[output / "benchmark.png"] = lambda path: plot(bench, path)
+    write_whole(writes)
     print(f"wrote benchmark.json and benchmark.png to {output}/")
 
 

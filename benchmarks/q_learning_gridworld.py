@@ -13,7 +13,6 @@ depend on the machine; the ratio is the figure to quote.
 
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ RUNS_PER_REPEAT = 5  # timed calls of our compiled train per repeat: each is sho
 
 def yardstick_steps_per_s(timesteps: int) -> float:
     command = [sys.executable, str(YARDSTICK), "--timesteps", str(timesteps)]
-    result = subprocess.run(command, capture_output=True, text=True)
+    result = cli.captured(command)
     if result.returncode != 0:
         sys.exit(f"{YARDSTICK.name} failed:\n{result.stderr}")
     return float(re.search(r"steps_per_s=([0-9.]+)", result.stdout).group(1))

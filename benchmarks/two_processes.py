@@ -43,22 +43,12 @@ def run(script: str, args: list[str], processes: int, output: str) -> tuple[floa
         command += ["--coordinator-address", f"127.0.0.1:{free_port()}"]
         command += ["--num-processes", str(processes)]
     start = time.perf_counter()
-    children = [
-        subprocess.Popen(
-            command + (["--process-id", str(i)] if processes > 1 else []),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for i in range(processes)
+    commands = [
+        command + (["--process-id", str(i)] if processes > 1 else []) for i in range(processes)
     ]
-    try:
+    pipe = subprocess.PIPE
+    with cli.started(commands, stdout=pipe, stderr=pipe, text=True, env=env) as children:
         results = [child.communicate() for child in children]
-    finally:  # stopped (a SIGTERM to this process alone): the children stop too
-        for child in children:
-            child.kill()
-            child.wait()
     wall = time.perf_counter() - start
     if any(child.returncode for child in children):
         sys.exit(f"{' '.join(command)} failed:\n{results[0][1].strip()[-2000:]}")

@@ -93,13 +93,14 @@ def test_a_stop_is_one_line(argv, when, signum, group):
     the benchmark alone, as `kill` or a closed terminal does: one line, exit 128 + the signal, no
     traceback (a Ctrl-C was Python's traceback from wherever it landed; SIGTERM and SIGHUP ended
     it silently and left the yardstick or the scripts it runs going). While the imports load
-    jax the signal waits for the handler; the subprocesses a benchmark runs end with it."""
+    jax the signal waits for the handler; the subprocesses a benchmark runs end with it, also
+    one that the signal caught as it started (it was left running, in most tries)."""
     command = [sys.executable, str(BENCHMARKS / argv[0]), *argv[1:]]
     pipe = subprocess.PIPE
     process = subprocess.Popen(command, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while not when(process.pid) and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+        pass  # no sleep: the signal lands as a child starts, in subprocess.Popen, often
     assert process.poll() is None, process.communicate()
     running = children(process.pid)
     (os.killpg if group else os.kill)(process.pid, signum)
@@ -125,3 +126,33 @@ def test_ctrl_c_stops_a_benchmark_that_runs_the_dqn_in_process():
     out, err = process.communicate(timeout=120)
     assert process.returncode == 130, (out, err)
     assert err.strip().splitlines() == ["benchmarks/dqn_sweep.py: stopped by Ctrl-C"], err
+
+
+def test_a_signal_after_the_benchmark_has_ended_has_its_default_effect(tmp_path):
+    """Once main() has returned (JAX's atexit clean-up runs for about half a second), a SIGTERM
+    ends the process as it would without handlers: it raised in the atexit callback, where
+    Python printed it, and the resend that followed killed the process with SIGALRM."""
+    script = tmp_path / "ended.py"
+    script.write_text(
+        f"import atexit, sys, time\nsys.path.insert(0, {str(BENCHMARKS)!r})\nimport cli\n"
+        "atexit.register(lambda: (print('exiting', flush=True), time.sleep(30)))\n"
+        "cli.run(lambda: None)\n"
+    )
+    pipe = subprocess.PIPE
+    process = subprocess.Popen([sys.executable, str(script)], stdout=pipe, stderr=pipe, text=True)
+    assert process.stdout.readline() == "exiting\n", process.communicate()
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=20)
+    assert process.returncode == -signal.SIGTERM and not err, (process.returncode, err)
+
+
+def test_a_closed_stdout_does_not_stop_a_benchmark():
+    """Its reader gone (`| head -1`): the lines go nowhere, the benchmark runs to its end, exit
+    0, where the first print ended it with a BrokenPipeError traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    argv = [sys.executable, str(BENCHMARKS / "article_q_learning.py"), "--timesteps", "1000"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the print itself fails, not the exit's flush
+    run = subprocess.run(argv, stdout=write, stderr=subprocess.PIPE, text=True, env=env)
+    os.close(write)
+    assert run.returncode == 0 and not run.stderr, (run.returncode, run.stderr)

@@ -764,22 +764,27 @@ def test_benchmark_runs_at_a_tiny_size(tmp_path):
 
 
 def test_benchmark_files_are_written_whole(tmp_path):
-    """A write cut short (a Ctrl-C, a full disk) leaves the previous run's file as it was and no
-    temporary file; one that ends replaces it."""
-    write_whole, path = load_benchmark().write_whole, tmp_path / "benchmark.json"
-    path.write_text("the previous run")
+    """A write cut short (a Ctrl-C, a full disk) leaves the previous run's files as they were,
+    both of them, and no temporary file; writes that end replace both."""
+    write_whole = load_benchmark().write_whole
+    paths = [tmp_path / "benchmark.json", tmp_path / "benchmark.png"]
+    for path in paths:
+        path.write_text("the previous run")
 
     def cut_short(temporary):
         temporary.write_text("half of")
         raise KeyboardInterrupt
 
-    with pytest.raises(KeyboardInterrupt):
-        write_whole(path, cut_short)
-    assert [p.name for p in tmp_path.iterdir()] == ["benchmark.json"]
-    assert path.read_text() == "the previous run"
-    write_whole(path, lambda temporary: temporary.write_text("this run"))
-    assert [p.name for p in tmp_path.iterdir()] == ["benchmark.json"]
-    assert path.read_text() == "this run"
+    def this_run(temporary):
+        temporary.write_text("this run")
+
+    with pytest.raises(KeyboardInterrupt):  # the figure's write stops: the json stays old too
+        write_whole({paths[0]: this_run, paths[1]: cut_short})
+    assert sorted(tmp_path.iterdir()) == paths
+    assert [path.read_text() for path in paths] == ["the previous run"] * 2
+    write_whole(dict.fromkeys(paths, this_run))
+    assert sorted(tmp_path.iterdir()) == paths
+    assert [path.read_text() for path in paths] == ["this run"] * 2
 
 
 @pytest.mark.parametrize("kind", ["device", "fifo", "too_large", "shadows_a_built_in"])
