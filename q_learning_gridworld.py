@@ -1075,8 +1075,11 @@ if __name__ == "__main__":
     sys.stdout = BestEffortStream(sys.stdout or open(os.devnull, "w"))  # noqa: SIM115
     sys.stderr = BestEffortStream(sys.stderr or open(os.devnull, "w"))  # noqa: SIM115
     try:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # any that came as JAX loaded
-        main()
+        try:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # any that came as JAX loaded
+            main()
+        finally:  # one that comes from now on waits for the defaults below
+            signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     except (KeyboardInterrupt, Stopped) as interrupt:
         for signum in SIGNALS:  # a second signal (a process group's, say) must not cut this line
             signal.signal(signum, ignore)
@@ -1086,5 +1089,8 @@ if __name__ == "__main__":
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(128 + signum)  # now: not after the compiled call still running in the background
-    finally:  # the run has ended: a signal still to be sent again is dropped
-        signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:  # the run has ended: in JAX's clean-up at exit, a signal has its default effect
+        signal.setitimer(signal.ITIMER_REAL, 0)  # (it raised there, and was sent again: SIGALRM)
+        for signum in catchable():
+            signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)

@@ -270,6 +270,24 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
 
+def test_a_signal_once_the_run_has_ended_has_its_default_effect(script, tmp_path):
+    """A SIGTERM in the clean-up at exit (JAX's, about half a second after the last line) ended
+    in the script's handler there: Python printed and dropped its exception, and the resend
+    killed the finished run's process with SIGALRM (exit 142, 'Alarm clock'). Now it has its
+    default effect, exit 143. Here an exit handler of the test's own sends it."""
+    output = tmp_path / "run"
+    argv = [script.__file__, *shlex.split(SHORT_RUNS[script]), "--output-dir", str(output)]
+    code = f"""import atexit, os, runpy, signal, sys, time
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(5)))
+sys.argv = {argv!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == -signal.SIGTERM, (result.returncode, result.stderr[-2000:])
+    assert "Exception ignored" not in result.stderr, result.stderr[-2000:]
+    assert all((output / name).is_file() for name in script.RUN_FILES), sorted(output.iterdir())
+
+
 def test_a_signal_while_a_cluster_watcher_loads_jax_reaches_its_child(script, tmp_path):
     """A process other than 0 of a cluster does its work in a child that it watches, ignoring
     Ctrl-C and SIGHUP itself (they reach the child as they reach it). One that came while the
