@@ -1489,8 +1489,9 @@ class StopRequest:
             return
         self.signum = signum
         then = "the run stops once the block in progress ends, and is saved"
-        print(f"dqn_cartpole.py: {SIGNALS[signum]}: {then} (Ctrl-C again to stop at once, "
-              "unsaved)", file=sys.stderr, flush=True)  # fmt: skip
+        if signum == signal.SIGINT:  # someone at the terminal, not a hang-up or a scheduler
+            then += " (Ctrl-C again to stop at once, unsaved)"
+        print(f"dqn_cartpole.py: {SIGNALS[signum]}: {then}", file=sys.stderr, flush=True)
 
     def asked(self) -> int:
         """The signal any process of the run was asked to stop by (0: none): every process

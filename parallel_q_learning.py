@@ -413,6 +413,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 import zlib
 from importlib import metadata
 from pathlib import Path
@@ -770,7 +771,8 @@ def save_run(output: Path, summary: dict, config: Config, result: TrainResult) -
 def plot_run(output: Path) -> None:
     """sweep_heatmap.png and learning_curves.png, drawn from the saved files alone."""
     summary = json.loads((output / "summary.json").read_text())
-    with open(output / "curves.csv") as file:  # parsed by numpy: a dict per row took ~750 bytes
+    # Parsed by numpy (a dict per row took ~750 bytes); no rows: one error, not numpy's warning.
+    with open(output / "curves.csv") as file, warnings.catch_warnings(action="error"):
         names = file.readline().strip().split(",")
         values = np.loadtxt(file, delimiter=",", ndmin=2)
     shape = (len(summary["grid"]), summary["config"]["num_seeds"], -1)  # [grid, seeds, points]
@@ -914,8 +916,8 @@ def read_layout(value: str) -> str:
             f"{value!r} is neither a built-in layout ({', '.join(LAYOUTS)}) nor a regular "
             f"file of at most {MAX_MAP_BYTES // 1024} KiB"
         )
-    try:
-        return path.read_text()
+    try:  # utf-8-sig: a file saved with a byte-order mark (Windows Notepad) reads as it shows
+        return path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as error:
         raise argparse.ArgumentTypeError(f"cannot read {value!r}: {error}") from None
 

@@ -360,6 +360,7 @@ import json
 import platform
 import sys
 import time
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -644,7 +645,8 @@ def write_csv(path: Path, columns: dict) -> None:
 def read_csv(path: Path, num_seeds: int) -> dict:
     """write_csv's file -> {column: float array [seeds, points]}, parsed by numpy (a dict per row
     took ~600 bytes a row: a run the memory check let through ran out of it here)."""
-    with open(path) as file:
+    # A file with no rows: one error, not numpy's warning (two lines) and then the error.
+    with open(path) as file, warnings.catch_warnings(action="error"):
         names = file.readline().strip().split(",")
         values = np.loadtxt(file, delimiter=",", ndmin=2)
     return {name: values[:, i].reshape(num_seeds, -1) for i, name in enumerate(names)}
@@ -678,7 +680,9 @@ def plot_run(run_dir: Path) -> Path:
 
     config = Config(**json.loads((run_dir / "summary.json").read_text())["config"])
     env, n = GridWorld(config.layout, config.max_episode_steps), config.num_seeds
-    q = np.load(run_dir / "q_tables.npy")[0].reshape(env.num_cells, NUM_ACTIONS)
+    # Not np.load: a file that is not .npy, it would read as a pickle (and advise allow_pickle).
+    with open(run_dir / "q_tables.npy", "rb") as file:
+        q = np.lib.format.read_array(file)[0].reshape(env.num_cells, NUM_ACTIONS)
     curves, first = (read_csv(run_dir / name, n) for name in ("curves.csv", "first_episodes.csv"))
     fig = Figure(figsize=(18, 5), layout="tight")
     ax_map, ax_episodes, ax_steps = fig.subplots(1, 3, width_ratios=[1.2, 1, 1])
@@ -768,8 +772,8 @@ def read_layout(value: str) -> str:
             f"{value!r} is neither a built-in layout ({', '.join(LAYOUTS)}) nor a regular "
             f"file of at most {MAX_MAP_BYTES // 1024} KiB"
         )
-    try:
-        return path.read_text()
+    try:  # utf-8-sig: a file saved with a byte-order mark (Windows Notepad) reads as it shows
+        return path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as error:
         raise argparse.ArgumentTypeError(f"cannot read {value!r}: {error}") from None
 

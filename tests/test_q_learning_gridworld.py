@@ -7,6 +7,7 @@ script (its own map parsing and moves), so a bug shared by both cannot hide.
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -501,6 +502,8 @@ def test_layout_flag_reads_names_and_files(tmp_path):
     path = tmp_path / "map.txt"
     path.write_text("S.\n.G\n")
     assert qlg.parse_config(["--layout", str(path)]).layout == "S.\n.G\n"
+    path.write_bytes(b"\xef\xbb\xbfS.\r\n.G\r\n")  # Notepad's: a byte-order mark, CRLF
+    assert qlg.GridWorld(qlg.parse_config(["--layout", str(path)]).layout).map.grid.shape == (2, 2)
     assert qlg.parse_config(["--layout", "maze"]).layout == qlg.LAYOUTS["maze"]
     assert qlg.parse_config([]).layout == qlg.LAYOUTS["default"]
 
@@ -732,6 +735,20 @@ def test_replot_redraws_the_figure_without_training(saved_run, monkeypatch, caps
     qlg.main(["--replot", str(output_dir)])
     assert figure.stat().st_size > 10_000
     assert capsys.readouterr().out.count("\n") == 1
+
+
+@pytest.mark.parametrize("damaged", ["curves.csv", "q_tables.npy"])
+def test_replot_of_a_run_with_a_damaged_file_is_one_line(saved_run, tmp_path, damaged):
+    """A curves.csv with its header only gave numpy's warning (two lines) before the error; a
+    q_tables.npy that is not .npy, numpy's advice to load it as a pickle (allow_pickle)."""
+    run = tmp_path / "run"
+    shutil.copytree(saved_run[0], run)
+    header = (run / "curves.csv").read_text().splitlines()[0]
+    (run / damaged).write_text(header if damaged == "curves.csv" else "not an array, but text")
+    replot = [sys.executable, qlg.__file__, "--replot", str(run)]
+    done = subprocess.run(replot, capture_output=True, text=True, check=False)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "allow_pickle" not in lines[0], lines
 
 
 def test_replot_of_a_folder_that_is_no_run_or_with_a_bad_flag_is_one_line(tmp_path, capsys):
