@@ -1954,10 +1954,13 @@ class BestEffortStream:
     def best_effort(self, method, *args):
         try:
             return method(*args)
-        except OSError:  # a BrokenPipeError, say: from now on, /dev/null
+        except OSError as error:  # from now on, /dev/null
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, self.stream.fileno())
             os.close(null)
+            if self is sys.stdout and not isinstance(error, BrokenPipeError):  # not | head -1
+                why = f"stdout cannot be written ({error.strerror})"
+                print(f"dqn_cartpole.py: {why}; the run goes on, to its files", file=sys.stderr)
 
 
 class Stopped(BaseException):

@@ -383,6 +383,22 @@ def test_an_output_stream_that_cannot_be_written_goes_to_dev_null(script):
         assert os.path.samefile(f"/proc/self/fd/{full.fileno()}", os.devnull)
 
 
+def test_a_stdout_that_cannot_be_written_is_said_once_unless_its_reader_left(
+    script, monkeypatch, capsys
+):
+    """A full disk (`> /dev/full`) lost every result line without a word: now one line on
+    stderr. A reader that left (`| head -1`) wanted no more lines: nothing said."""
+    read, write = os.pipe()
+    os.close(read)
+    for target, said in (("/dev/full", 1), (write, 0)):
+        with open(target, "w") as file:
+            monkeypatch.setattr(sys, "stdout", script.BestEffortStream(file))
+            for line in ("a line", "another"):
+                print(line, flush=True)
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == said and all("stdout cannot be written" in line for line in err), err
+
+
 def test_an_output_dir_in_a_symlink_loop_is_one_line(script, tmp_path, capsys):
     (tmp_path / "loop").symlink_to("loop")  # pathlib's resolve() raised RuntimeError on it
     for output in ("loop", "loop/sub"):
