@@ -1959,8 +1959,8 @@ class BestEffortStream:
             os.dup2(null, self.stream.fileno())
             os.close(null)
             if self is sys.stdout and not isinstance(error, BrokenPipeError):  # not | head -1
-                why = f"stdout cannot be written ({error.strerror})"
-                print(f"dqn_cartpole.py: {why}; the run goes on, to its files", file=sys.stderr)
+                why = f"stdout cannot be written ({error.strerror}); the run goes on, to its files"
+                print(f"dqn_cartpole.py: {why}", file=sys.stderr)
 
 
 class Stopped(BaseException):

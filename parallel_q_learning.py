@@ -1357,10 +1357,8 @@ class BestEffortStream:
             os.dup2(null, self.stream.fileno())
             os.close(null)
             if self is sys.stdout and not isinstance(error, BrokenPipeError):  # not | head -1
-                why = f"stdout cannot be written ({error.strerror})"
-                print(
-                    f"parallel_q_learning.py: {why}; the run goes on, to its files", file=sys.stderr
-                )
+                why = f"stdout cannot be written ({error.strerror}); the run goes on, to its files"
+                print(f"parallel_q_learning.py: {why}", file=sys.stderr)
 
 
 class Stopped(BaseException):
