@@ -1281,49 +1281,53 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         result, timings = run_sweep(config, env, schedule, mesh, chunks)
-        rows = summarize_grid(config, env, result)
     except BaseException:  # stopped: leave no empty folder
         remove_if_empty(output)
         raise
-    rate = num_agents * config.total_timesteps / timings["train_time_s"]
-    print(
-        f"compile {timings['compile_time_s']:.1f} s, train {timings['train_time_s']:.2f} s: "
-        f"{rate / 1e6:.1f}M agent-steps/s ({config.total_timesteps} steps per agent)"
-    )
-    print("optimal: share of seeds whose final greedy path from S is a shortest path; path: its")
-    print("mean length (one that never reaches G counts as the cell count); V*: value iteration")
-    print(f"{'lr':>6} {'eps':>6} {'gamma':>6} {'optimal':>8} {'path':>7} {'|V(S)-V*(S)|':>13}")
-    texts = {
-        name: apart(row[name] for row in rows) for name in ("learning_rate", "epsilon", "gamma")
-    }
-    for row in rows:
-        optimal, path = (
-            row["greedy_path_optimal_fraction"]["mean"],
-            row["greedy_path_length"]["mean"],
-        )
-        lr, epsilon, gamma = (texts[name][row[name]] for name in texts)
-        print(
-            f"{lr:>6} {epsilon:>6} {gamma:>6} "
-            f"{optimal:8.2f} {path:7.1f} {row['start_value_abs_error']['mean']:13.4f}"
-        )
-
-    summary = {
-        "config": dataclasses.asdict(config),
-        "versions": versions(),
-        "devices": [f"{d.platform}:{d.id} {d.device_kind}" for d in jax.devices()],
-        "num_agents": num_agents,
-        "chunks_per_device": chunks,  # run one after another, each a make_sweep call
-        "steps_per_agent": config.total_timesteps,
-        **timings,
-        "agent_steps_per_s": rate,
-        "wall_time_s": time.perf_counter() - start,  # the whole command, but the writes
-        "grid": rows,
-    }
-    if jax.process_index() > 0:  # process 0 writes the results of every process
+    if jax.process_index() > 0:  # process 0 reports and writes the results of every process
         return
-    with written_whole(), replacing(output):  # the run --overwrite replaces stays till now
-        save_run(output, summary, config, result)
-        plot_run(output)
+    # From the end of training, a signal waits until the run is written: no trained run is lost.
+    with written_whole():
+        rows = summarize_grid(config, env, result)
+        rate = num_agents * config.total_timesteps / timings["train_time_s"]
+        print(
+            f"compile {timings['compile_time_s']:.1f} s, train {timings['train_time_s']:.2f} s: "
+            f"{rate / 1e6:.1f}M agent-steps/s ({config.total_timesteps} steps per agent)"
+        )
+        print(
+            "optimal: share of seeds whose final greedy path from S is a shortest path; path: its\n"
+            "mean length (one that never reaches G counts as the cell count); V*: value iteration"
+        )
+        print(f"{'lr':>6} {'eps':>6} {'gamma':>6} {'optimal':>8} {'path':>7} {'|V(S)-V*(S)|':>13}")
+        texts = {
+            name: apart(row[name] for row in rows) for name in ("learning_rate", "epsilon", "gamma")
+        }
+        for row in rows:
+            optimal, path = (
+                row["greedy_path_optimal_fraction"]["mean"],
+                row["greedy_path_length"]["mean"],
+            )
+            lr, epsilon, gamma = (texts[name][row[name]] for name in texts)
+            print(
+                f"{lr:>6} {epsilon:>6} {gamma:>6} "
+                f"{optimal:8.2f} {path:7.1f} {row['start_value_abs_error']['mean']:13.4f}"
+            )
+
+        summary = {
+            "config": dataclasses.asdict(config),
+            "versions": versions(),
+            "devices": [f"{d.platform}:{d.id} {d.device_kind}" for d in jax.devices()],
+            "num_agents": num_agents,
+            "chunks_per_device": chunks,  # run one after another, each a make_sweep call
+            "steps_per_agent": config.total_timesteps,
+            **timings,
+            "agent_steps_per_s": rate,
+            "wall_time_s": time.perf_counter() - start,  # the whole command, but the writes
+            "grid": rows,
+        }
+        with replacing(output):  # the run --overwrite replaces stays till now
+            save_run(output, summary, config, result)
+            plot_run(output)
     print(
         f"wrote {', '.join(RUN_FILES)}, sweep_heatmap.png, learning_curves.png to {output}/, "
         f"wall {summary['wall_time_s']:.1f} s"

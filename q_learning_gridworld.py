@@ -983,25 +983,27 @@ def main(argv: list[str] | None = None) -> None:
         out, timings = train_seeds(
             make_train(config, env), config.seed, config.num_seeds, batch_size
         )
-        summary = summarize(config, env, out["q_values"], timings)
     except BaseException:  # stopped: leave no empty folder
         remove_if_empty(output_dir)
         raise
-    seeds, seed_0 = plural(config.num_seeds, "seed"), summary["seeds"][0]
-    print(
-        f"compile {timings['compile_time_s']:.2f} s, train {timings['train_time_s']:.3f} s, "
-        f"{summary['agent_steps_per_s'] / 1e6:.1f}M agent-steps/s ({seeds} x "
-        f"{config.total_timesteps} steps on {devices})"
-    )
-    print(
-        f"greedy path from S is a shortest path ({seed_0['shortest_path_length']} steps) for "
-        f"{summary['optimal_seeds']} of {seeds}; V(S) = {seed_0['v_start']:.4f} vs "
-        f"V*(S) = {seed_0['v_star_start']:.4f} (seed 0)"
-    )
-    summary["wall_time_s"] = time.perf_counter() - start  # the whole command, but the writes
-    with written_whole(), replacing(output_dir):  # the run --overwrite replaces stays till now
-        save_run(output_dir, summary, out)
-        figure_path = plot_run(output_dir)
+    # From the end of training, a signal waits until the run is written: no trained run is lost.
+    with written_whole():
+        summary = summarize(config, env, out["q_values"], timings)
+        seeds, seed_0 = plural(config.num_seeds, "seed"), summary["seeds"][0]
+        print(
+            f"compile {timings['compile_time_s']:.2f} s, train {timings['train_time_s']:.3f} s, "
+            f"{summary['agent_steps_per_s'] / 1e6:.1f}M agent-steps/s ({seeds} x "
+            f"{config.total_timesteps} steps on {devices})"
+        )
+        print(
+            f"greedy path from S is a shortest path ({seed_0['shortest_path_length']} steps) for "
+            f"{summary['optimal_seeds']} of {seeds}; V(S) = {seed_0['v_start']:.4f} vs "
+            f"V*(S) = {seed_0['v_star_start']:.4f} (seed 0)"
+        )
+        summary["wall_time_s"] = time.perf_counter() - start  # the whole command, but the writes
+        with replacing(output_dir):  # the run --overwrite replaces stays till now
+            save_run(output_dir, summary, out)
+            figure_path = plot_run(output_dir)
     print(f"wrote {', '.join(RUN_FILES)} and {figure_path.name} to {output_dir}/; "
           f"wall {summary['wall_time_s']:.1f} s")  # fmt: skip
 

@@ -288,6 +288,31 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     assert all((output / name).is_file() for name in script.RUN_FILES), sorted(output.iterdir())
 
 
+def test_a_signal_once_training_has_ended_waits_until_the_run_is_written(script, tmp_path):
+    """A SIGTERM between the end of training and the writes (where the tabular scripts summarize
+    the run, checked against value iteration) stopped the script, and the trained run was lost.
+    Now it waits until the run is written whole, as one during the writes does. Here a profile
+    function of the test's own sends it as the summary begins."""
+    first_after_training = "summarize_grid" if script is parallel_q_learning else "summarize"
+    output = tmp_path / "run"
+    argv = [script.__file__, *shlex.split(SHORT_RUNS[script]), "--output-dir", str(output)]
+    code = f"""import os, runpy, signal, sys
+def send(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == {first_after_training!r} and \\
+            frame.f_globals.get("__name__") == "__main__":
+        sys.setprofile(None)
+        os.kill(os.getpid(), signal.SIGTERM)
+sys.setprofile(send)
+sys.argv = {argv!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 128 + signal.SIGTERM, (result.returncode, err)
+    assert err[-1].endswith(": stopped by SIGTERM once the run was written whole"), err
+    assert all((output / name).is_file() for name in script.RUN_FILES), sorted(output.iterdir())
+
+
 def test_a_signal_while_a_cluster_watcher_loads_jax_reaches_its_child(script, tmp_path):
     """A process other than 0 of a cluster does its work in a child that it watches, ignoring
     Ctrl-C and SIGHUP itself (they reach the child as they reach it). One that came while the
