@@ -1424,14 +1424,17 @@ def build_parser() -> argparse.ArgumentParser:
 def load_run(folder: str) -> tuple[Config, Any, list | None]:
     """Saved config, params and grid points (None: one configuration) of a run folder; any
     problem is a one-line ValueError."""
+    reading = "summary.json"  # the file that an error names
     try:
-        summary = json.loads((Path(folder) / "summary.json").read_text())
+        summary = json.loads((Path(folder) / reading).read_text())
         config = saved_config(summary["config"])
-        params = flax.serialization.msgpack_restore((Path(folder) / "params.msgpack").read_bytes())
         grid = [{name: float(p["hparams"][name]) for name in HParams._fields} for p in
                 summary["grid"]] if "grid" in summary else None  # fmt: skip
+        reading = "params.msgpack"
+        params = flax.serialization.msgpack_restore((Path(folder) / reading).read_bytes())
     except Exception as error:
-        raise ValueError(f"--load {folder}: cannot read a saved run ({error})") from None
+        why = str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}"
+        raise ValueError(f"--load {folder}: cannot read its {reading} ({why})") from None
     return config, params, grid
 
 

@@ -771,10 +771,12 @@ def save_run(output: Path, summary: dict, config: Config, result: TrainResult) -
 def plot_run(output: Path) -> None:
     """sweep_heatmap.png and learning_curves.png, drawn from the saved files alone."""
     summary = json.loads((output / "summary.json").read_text())
-    # Parsed by numpy (a dict per row took ~750 bytes); no rows: one error, not numpy's warning.
-    with open(output / "curves.csv") as file, warnings.catch_warnings(action="error"):
+    # Parsed by numpy (a dict per row took ~750 bytes); no rows: our line, not numpy's warning.
+    with open(output / "curves.csv") as file, warnings.catch_warnings(action="ignore"):
         names = file.readline().strip().split(",")
         values = np.loadtxt(file, delimiter=",", ndmin=2)
+    if not values.size:
+        raise ValueError("curves.csv holds no rows")
     shape = (len(summary["grid"]), summary["config"]["num_seeds"], -1)  # [grid, seeds, points]
     curves = {name: values[:, i].reshape(shape) for i, name in enumerate(names)}
     plot_heatmap(summary, output / "sweep_heatmap.png")

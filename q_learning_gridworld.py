@@ -645,10 +645,11 @@ def write_csv(path: Path, columns: dict) -> None:
 def read_csv(path: Path, num_seeds: int) -> dict:
     """write_csv's file -> {column: float array [seeds, points]}, parsed by numpy (a dict per row
     took ~600 bytes a row: a run the memory check let through ran out of it here)."""
-    # A file with no rows: one error, not numpy's warning (two lines) and then the error.
-    with open(path) as file, warnings.catch_warnings(action="error"):
+    with open(path) as file, warnings.catch_warnings(action="ignore"):  # numpy's, for no rows
         names = file.readline().strip().split(",")
         values = np.loadtxt(file, delimiter=",", ndmin=2)
+    if not values.size:  # one line that names the file, not numpy's warning and a reshape error
+        raise ValueError(f"{path.name} holds no rows")
     return {name: values[:, i].reshape(num_seeds, -1) for i, name in enumerate(names)}
 
 

@@ -1364,6 +1364,22 @@ def test_load_refuses_params_of_other_agents_than_the_summary_says(tmp_path, cap
         assert exit_info.value.code == 2 and len(err) == 1 and problem in err[0], err
 
 
+def test_load_of_a_damaged_run_names_the_file_and_its_error(tmp_path, capsys):
+    """A summary.json without its config was "cannot read a saved run ('config')"."""
+    config = dataclasses.asdict(TINY) | {"output_dir": str(tmp_path)}
+    (tmp_path / "curves.csv").write_text("seed,step\n")
+    (tmp_path / "params.msgpack").write_bytes(b"")
+    for summary, problem in (
+        ({}, "cannot read its summary.json (KeyError: 'config')"),
+        ({"config": config}, "cannot read its params.msgpack (Unpack failed: incomplete input)"),
+    ):
+        (tmp_path / "summary.json").write_text(json.dumps(summary))
+        with pytest.raises(SystemExit) as exit_info:
+            dqn.main(["--load", str(tmp_path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and len(err) == 1 and problem in err[0], err
+
+
 def test_a_saved_config_of_other_types_is_refused_as_it_is_read(tmp_path, capsys):
     """A hand-edited value whose type is not its field's (a width of 16.0, a float seed count, a
     number for a flag) is one line as --load or --resume reads it, not a traceback later, and so

@@ -598,10 +598,11 @@ def test_cli_happy_path(tmp_path):
     assert done.returncode == 0 and done.stdout.count("\n") == 1, done.stderr[-2000:]
     for name in ("sweep_heatmap.png", "learning_curves.png"):
         assert (output / name).stat().st_size > 0
-    # A curves.csv with its header only: one line (numpy's warning came first, two lines more).
+    # A curves.csv with its header only: one line that names it (numpy's warning came first).
     (output / "curves.csv").write_text((output / "curves.csv").read_text().splitlines()[0])
     done = subprocess.run(replot, capture_output=True, text=True, check=False)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "(ValueError: curves.csv holds no rows)" in done.stderr, done.stderr
 
 
 def test_seed_i_is_the_same_agent_whatever_num_seeds(tmp_path):

@@ -739,8 +739,9 @@ def test_replot_redraws_the_figure_without_training(saved_run, monkeypatch, caps
 
 @pytest.mark.parametrize("damaged", ["curves.csv", "q_tables.npy"])
 def test_replot_of_a_run_with_a_damaged_file_is_one_line(saved_run, tmp_path, damaged):
-    """A curves.csv with its header only gave numpy's warning (two lines) before the error; a
-    q_tables.npy that is not .npy, numpy's advice to load it as a pickle (allow_pickle)."""
+    """A curves.csv with its header only gave numpy's warning (two lines) before an error that
+    did not name the file; a q_tables.npy that is not .npy, numpy's advice to load it as a
+    pickle (allow_pickle)."""
     run = tmp_path / "run"
     shutil.copytree(saved_run[0], run)
     header = (run / "curves.csv").read_text().splitlines()[0]
@@ -749,6 +750,8 @@ def test_replot_of_a_run_with_a_damaged_file_is_one_line(saved_run, tmp_path, da
     done = subprocess.run(replot, capture_output=True, text=True, check=False)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "allow_pickle" not in lines[0], lines
+    if damaged == "curves.csv":  # numpy's own words named no file
+        assert "(ValueError: curves.csv holds no rows)" in lines[0], lines
 
 
 def test_replot_of_a_folder_that_is_no_run_or_with_a_bad_flag_is_one_line(tmp_path, capsys):
