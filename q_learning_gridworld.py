@@ -921,9 +921,15 @@ def replacing(folder: Path):
 
 def check_backend() -> None:
     """JAX_PLATFORMS naming a platform this machine lacks, or XLA_FLAGS asking for no CPU device,
-    fails at JAX's first use of a device, with a traceback: one line instead, before any work.
+    fails at JAX's first use of a device, with a traceback: one line instead, before any work; so
+    does JAX_DISABLE_JIT, with which a run takes hours (or a traceback, a scan of 0 blocks).
     That first use loads JAX's plugins (jax[cuda]'s loads CUDA's libraries), and JAX drops what a
     plugin's initialize() raises, a signal's exception too: a signal waits until it is done."""
+    if jax.config.jax_disable_jit:  # JAX_DISABLE_JIT=1, or main() under jax.disable_jit()
+        fail(
+            "JAX_DISABLE_JIT: the command line runs compiled only; to step through train(), call "
+            "it from Python under jax.disable_jit() (README: Debugging)"
+        )
     with signals_held() as caught:
         try:
             jax.devices()

@@ -115,6 +115,18 @@ def test_vmap_over_seeds_equals_each_seed_alone_at_xlas_default_level():
     assert run.returncode == 0, run.stderr[-2000:]
 
 
+def test_train_runs_eagerly_for_debugging_as_readme_shows():
+    """README's recipe: train() under jax.disable_jit(), each op run as Python reaches it (for
+    print and pdb), gives the jitted result up to float rounding (XLA fuses the update)."""
+    config = pq.Config(layout="S..G", total_timesteps=40, rng_block_steps=10, num_curve_points=2)
+    train, hparams = pq.make_train(config), pq.HParams(0.5, 0.1, 0.9)
+    with jax.disable_jit():
+        eager = train(jax.random.key(0), hparams)
+    jitted = jax.jit(train)(jax.random.key(0), hparams)
+    jax.tree.map(lambda e, j: np.testing.assert_allclose(e, j, rtol=1e-6), eager, jitted)
+    assert np.asarray(eager.q_table).any()  # it learned
+
+
 def test_seeds_are_independent_and_hparams_matter(small):
     swept = small["sweep"](small["keys"], small["grid"])
     q = np.asarray(swept.q_table)

@@ -356,6 +356,17 @@ def test_vmap_gives_what_single_key_gives_at_xlas_default_level():
     assert run.returncode == 0, run.stderr[-2000:]
 
 
+def test_train_runs_eagerly_for_debugging_as_readme_shows():
+    """README's recipe: train() under jax.disable_jit(), each op run as Python reaches it (for
+    print and pdb), gives the jitted result up to float rounding (XLA fuses the update)."""
+    train = qlg.make_train(qlg.Config(total_timesteps=20, steps_per_block=10, num_curve_points=2))
+    with jax.disable_jit():
+        eager = train(jax.random.key(0))
+    jitted = jax.jit(train)(jax.random.key(0))
+    jax.tree.map(lambda e, j: np.testing.assert_allclose(e, j, rtol=1e-6), eager, jitted)
+    assert not np.all(np.asarray(eager["q_values"]) == qlg.Config().initial_q)  # it learned
+
+
 def test_seeds_are_independent(small_runs):
     _, batched, _ = small_runs
     lengths = np.asarray(batched["metrics"]["episode_length"])  # [seeds, episodes]

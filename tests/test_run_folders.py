@@ -15,6 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
+import jax
 import pytest
 
 import dqn_cartpole
@@ -357,6 +358,20 @@ def assert_stopped_before_any_work(script, result, signum, output):
     assert result.returncode == 128 + signum and len(err) == 1, err
     assert f"stopped by {script.SIGNALS[signum]}" in err[0]
     assert "compile" not in result.stdout and not output.exists()
+
+
+def test_jit_turned_off_is_one_line_before_any_work(script, tmp_path, capsys):
+    """JAX_DISABLE_JIT=1 (or jax.disable_jit()) ran the sharded run eagerly: hours for a short
+    run, or a traceback (a scan of 0 blocks in the tabular scripts). It is one line, which says
+    how to step through train() instead."""
+    output = tmp_path / "run"
+    with jax.disable_jit(), pytest.raises(SystemExit) as exit_info:
+        script.main([*shlex.split(SHORT_RUNS[script]), "--output-dir", str(output)])
+    printed = capsys.readouterr()
+    err = printed.err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1, err
+    assert "JAX_DISABLE_JIT" in err[0] and "jax.disable_jit()" in err[0], err
+    assert "compile" not in printed.out and not output.exists()
 
 
 def test_an_output_folder_this_user_cannot_write_to_is_one_line(
