@@ -1574,8 +1574,9 @@ def parse_command(argv: list[str] | None):
     # --replot, --resume and --load take the saved run as it is: no other flag may change it.
     # --resume may say how often to save, and how the processes of a cluster meet; --load how
     # to evaluate, and the run's env and network again (they must agree).
-    defaults = vars(build_parser().parse_args([]))
-    others = [flag(name) for name, value in vars(args).items() if value != defaults[name]]
+    parser = build_parser()
+    parser.set_defaults(**dict.fromkeys(vars(args)))  # None: left out (given, a flag never is)
+    others = [flag(name) for name, x in vars(parser.parse_args(argv)).items() if x is not None]
     cluster = ("--coordinator-address", "--num-processes", "--process-id", "--cluster-timeout")
     evaluating = ("seed", "eval_episodes", "env", "output_dir")
     agreeing = ("hidden_sizes", "layer_norm", "num_seeds")  # check_same_run checks them

@@ -803,7 +803,9 @@ def parse_config(argv: list[str] | None = None) -> Config | Path:
     parser.add_argument("--overwrite", action="store_true", help=overwrite_help)
     args = vars(parser.parse_args(argv))
     if "replot" in args:  # the saved run's figures: no other flag may change them
-        if given := [name for name, x in vars(parser.parse_args([])).items() if args[name] != x]:
+        parser.set_defaults(**dict.fromkeys(args))  # None: left out (given, a flag is never None)
+        given = [name for name, x in vars(parser.parse_args(argv)).items() if x is not None]
+        if given := [name for name in given if name != "replot"]:
             other = "--" + given[0].replace("_", "-")
             fail(f"--replot redraws the saved run as it was saved; leave out {other}")
         return args["replot"]

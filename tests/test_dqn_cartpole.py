@@ -1559,6 +1559,8 @@ def test_resume_and_replot_refuse_other_flags_and_a_folder_without_a_checkpoint(
         (["--replot", str(tmp_path), "--load", str(tmp_path)], "leave out --load"),
         (["--replot", str(tmp_path), "--solved-return", "100"], "leave out --solved-return"),
         (["--replot", str(tmp_path), "--cluster-timeout", "5"], "leave out --cluster-timeout"),
+        # one at its default value too (it was let through, and ignored)
+        (["--replot", str(tmp_path), "--cluster-timeout", "60"], "leave out --cluster-timeout"),
         (["--resume", str(tmp_path), "--solved-return", "100"], "leave out --solved-return"),
         # how often to save, and a cluster's flags, are this command's: on to the checkpoint
         (["--resume", str(tmp_path), "--checkpoint-every", "7"], "no checkpoint.npz in it"),

@@ -731,7 +731,9 @@ def test_replot_does_not_train_and_a_bad_folder_or_flag_is_one_line(tmp_path, ca
     with pytest.raises(SystemExit) as exit_info:
         pq.main(["--replot", str(tmp_path)])
     assert "not a run of parallel_q_learning.py" in capsys.readouterr().err
-    for flag, value in (("--num-seeds", "0"), ("--gamma", "0.5"), ("--overwrite", None)):
+    # --layout (it has no default) and a flag at its default were let through, and ignored
+    others = [("--num-seeds", "0"), ("--gamma", "0.5"), ("--overwrite", None)]
+    for flag, value in [*others, ("--layout", "maze"), ("--gammas", "0.9")]:
         with pytest.raises(SystemExit) as exit_info:  # any other flag: the figures are the run's
             pq.main(["--replot", str(tmp_path), flag, *([value] if value else [])])
         err = capsys.readouterr().err

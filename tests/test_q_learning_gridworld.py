@@ -770,7 +770,9 @@ def test_replot_of_a_folder_that_is_no_run_or_with_a_bad_flag_is_one_line(tmp_pa
         qlg.main(["--replot", str(tmp_path)])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and "--replot" in err, err
-    for flag, value in (("--num-seeds", "0"), ("--gamma", "0.5"), ("--overwrite", None)):
+    # --layout (it has no default) and a flag at its default were let through, and ignored
+    others = [("--num-seeds", "0"), ("--gamma", "0.5"), ("--overwrite", None)]
+    for flag, value in [*others, ("--layout", "maze"), ("--gamma", "0.9")]:
         with pytest.raises(SystemExit) as exit_info:  # any other flag: the figures are the run's
             qlg.main(["--replot", str(tmp_path), flag, *([value] if value else [])])
         err = capsys.readouterr().err
