@@ -41,9 +41,10 @@ def timed(argv: list[str], output: Path) -> tuple[float, float]:
             mock.patch.object(dqn, "catchable", lambda: []),
         ):
             dqn.main([*argv, "--output-dir", str(output)])
-    except SystemExit as stop:  # a size the script refuses: its own line, not silence
-        lines = quiet.getvalue().strip().splitlines()
-        sys.exit(lines[-1] if lines else stop.code)
+    except SystemExit as stop:  # a size the script refuses: its own line and exit code
+        if lines := quiet.getvalue().strip().splitlines():
+            print(lines[-1], file=sys.stderr)
+        sys.exit(stop.code)
     wall = time.perf_counter() - start
     return json.loads((output / "summary.json").read_text())["train_time_s"], wall
 

@@ -14,6 +14,7 @@ BAD = {  # benchmark and arguments: the flag its one line must name
     "dqn_cartpole.py --repeats 0": "--repeats",
     "dqn_segments.py --seeds 0": "--seeds",
     "dqn_sweep.py --timesteps -5": "--timesteps",
+    "dqn_sweep.py --timesteps 1 --repeats 1": "--train-frequency",  # the DQN's line (it was exit 1)
     "dqn_time_split.py --agents 0": "--agents",
     "q_learning_gridworld.py --timesteps x": "--timesteps",
     "q_learning_gridworld.py --timesteps 3000000000": "--timesteps",  # beyond the script's int32
