@@ -372,6 +372,11 @@ def test_jit_turned_off_is_one_line_before_any_work(script, tmp_path, capsys):
     assert exit_info.value.code == 2 and len(err) == 1, err
     assert "JAX_DISABLE_JIT" in err[0] and "jax.disable_jit()" in err[0], err
     assert "compile" not in printed.out and not output.exists()
+    argv = [sys.executable, script.__file__, "--output-dir", str(output)]  # the variable itself
+    env = {**os.environ, "JAX_DISABLE_JIT": "1"}
+    result = subprocess.run(argv, capture_output=True, text=True, env=env)
+    assert result.returncode == 2 and result.stderr.splitlines() == err, result.stderr
+    assert not output.exists()
 
 
 def test_an_output_folder_this_user_cannot_write_to_is_one_line(
