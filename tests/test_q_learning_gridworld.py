@@ -639,6 +639,16 @@ def test_cli_process_bad_input_has_no_traceback(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_run_started_with_stdout_and_stderr_closed_is_saved(tmp_path):
+    """`>&- 2>&-`: Python starts with sys.stdout and sys.stderr None; the run goes on to its files,
+    exit 0 (the three scripts share the line that opens /dev/null in their place)."""
+    output = tmp_path / "run"
+    argv = [sys.executable, str(SCRIPT), "--num-seeds", "2", "--output-dir", str(output)]
+    closed = subprocess.run(["sh", "-c", 'exec "$@" >&- 2>&-', "sh", *argv], timeout=300)
+    assert closed.returncode == 0
+    assert all((output / name).is_file() for name in qlg.RUN_FILES), sorted(output.iterdir())
+
+
 def test_cli_happy_path_writes_summary_and_figure(tmp_path):
     output_dir = tmp_path / "run"
     argv = ["--num-seeds", "3", "--layout", "maze", "--output-dir", str(output_dir)]

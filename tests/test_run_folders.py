@@ -453,19 +453,31 @@ def test_an_output_dir_in_a_symlink_loop_is_one_line(script, tmp_path, capsys):
         assert exit_info.value.code == 2 and len(err) == 1 and "--output-dir" in err[0], err
 
 
-def test_a_sighup_ignored_from_the_start_stays_ignored(script):
-    """nohup's SIGHUP: what holds signals while a run is written (and the DQN's stop request
-    while it trains) leaves it ignored, as `__main__` does (tested with nohup itself)."""
-    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+@pytest.mark.parametrize("ignored", [signal.SIGHUP, signal.SIGINT], ids=["SIGHUP", "SIGINT"])
+def test_a_signal_ignored_from_the_start_stays_ignored(script, ignored):
+    """nohup's SIGHUP, or the SIGINT of a job that a non-interactive shell starts with `&`: what
+    holds signals while a run is written (and the DQN's stop request while it trains) leaves it
+    ignored, as `__main__` does (tested with nohup itself)."""
+    previous = signal.signal(ignored, signal.SIG_IGN)
     try:
         with script.written_whole():
-            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(ignored) is signal.SIG_IGN
         if hasattr(script, "StopRequest"):
             with script.StopRequest():
-                assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+                assert signal.getsignal(ignored) is signal.SIG_IGN
                 assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
     finally:
-        signal.signal(signal.SIGHUP, previous)
+        signal.signal(ignored, previous)
+
+
+def test_an_abbreviation_that_fits_two_flags_is_one_line(script, tmp_path, capsys):
+    """--num fits --num-seeds and others in each script (the DQN's --eval is tested there)."""
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--num", "5", "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1, err
+    assert "ambiguous option: --num could match" in err[0] and "--num-seeds" in err[0], err
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_folder_name_the_terminal_cannot_show_is_printed_escaped(script):
