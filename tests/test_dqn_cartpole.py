@@ -835,9 +835,12 @@ def test_cli_sweep_on_acrobot_then_load_takes_env_and_network_from_the_run(
     assert [point["hparams"]["gamma"] for point in loaded["grid"]] == [0.99, 0.995]
     assert all(point["final_eval_return"][0] <= 0 for point in loaded["grid"])  # -1 per step
 
+    other_norm = "--no-layer-norm" if dqn.Config().layer_norm else "--layer-norm"
     for argv, flag in [
         (["--load", str(run), "--env", "cartpole"], "--env"),
         (["--load", str(run), "--hidden-sizes", "16"], "--hidden-sizes"),
+        (["--load", str(run), other_norm], "--layer-norm"),
+        (["--load", str(run), "--num-seeds", "2"], "--num-seeds 2 disagrees with the run"),
         (["--load", str(run), "--render"], "--render"),
         # training's flags: --total-timesteps 100 was "--learning-starts must be below ..."
         (["--load", str(run), "--total-timesteps", "100"], "run as it was saved; leave out --tot"),
