@@ -1575,7 +1575,7 @@ def parse_command(argv: list[str] | None):
     # --resume may say how often to save, and how the processes of a cluster meet; --load how
     # to evaluate, and the run's env and network again (they must agree).
     parser = build_parser()
-    parser.set_defaults(**dict.fromkeys(vars(args)))  # None: left out (given, a flag never is)
+    parser.set_defaults(**dict.fromkeys(vars(args)))  # None: left out (a given flag never is)
     others = [flag(name) for name, x in vars(parser.parse_args(argv)).items() if x is not None]
     cluster = ("--coordinator-address", "--num-processes", "--process-id", "--cluster-timeout")
     evaluating = ("seed", "eval_episodes", "env", "output_dir")

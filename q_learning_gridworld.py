@@ -803,7 +803,7 @@ def parse_config(argv: list[str] | None = None) -> Config | Path:
     parser.add_argument("--overwrite", action="store_true", help=overwrite_help)
     args = vars(parser.parse_args(argv))
     if "replot" in args:  # the saved run's figures: no other flag may change them
-        parser.set_defaults(**dict.fromkeys(args))  # None: left out (given, a flag is never None)
+        parser.set_defaults(**dict.fromkeys(args))  # None: left out (a given flag never is)
         given = [name for name, x in vars(parser.parse_args(argv)).items() if x is not None]
         if given := [name for name in given if name != "replot"]:
             other = "--" + given[0].replace("_", "-")
