@@ -978,11 +978,19 @@ def save_checkpoint(output: Path, run: dict, done: int, carry, metrics) -> None:
         np.savez(file, run=json.dumps(run), blocks_done=done, **arrays)
 
 
+def describe(error: Exception) -> str:
+    """An error for a line of ours: our own ValueError's words, any other's with its type."""
+    return str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}"
+
+
 def saved_config(saved: dict) -> Config:
     """The Config of a run's summary.json or checkpoint. A value whose type is not its field's
     (hand-edited: a width of 16.0, a float step count) is a ValueError here, not a traceback
-    later; JSON keeps a tuple as a list and may keep a float as an int."""
+    later, and so is a setting left out (its default may not be the run's); JSON keeps a tuple
+    as a list and may keep a float as an int."""
     defaults = {field.name: field.default for field in dataclasses.fields(Config)}
+    if missing := [name for name in defaults if name not in saved]:
+        raise ValueError(f"its config lacks {missing[0]!r}")
     for name, value in saved.items():
         if name not in defaults:  # a gridworld run's "layout", say
             raise ValueError(f"its config has {name!r}, not a setting of dqn_cartpole.py")
@@ -1008,7 +1016,9 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int
         try:  # another script's run, say
             saved_config(json.loads((Path(folder) / "summary.json").read_text())["config"])
         except Exception as error:
-            raise ValueError(f"--resume {folder}: not a run of dqn_cartpole.py ({error})") from None
+            raise ValueError(
+                f"--resume {folder}: not a run of dqn_cartpole.py ({describe(error)})"
+            ) from None
         raise ValueError(
             f"--resume {folder}: its run has ended (only a stopped run has a checkpoint)"
         )
@@ -1052,7 +1062,9 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int
         if type(every) is not int or every < 0:
             raise ValueError(f"its checkpoint cadence {every!r} is not a whole number >= 0")
     except Exception as error:
-        raise ValueError(f"--resume {folder}: no checkpoint to resume from ({error})") from None
+        raise ValueError(
+            f"--resume {folder}: no checkpoint to resume from ({describe(error)})"
+        ) from None
     return config, run["points"], solved, (done, leaves, metrics), every
 
 
@@ -1433,8 +1445,9 @@ def load_run(folder: str) -> tuple[Config, Any, list | None]:
         reading = "params.msgpack"
         params = flax.serialization.msgpack_restore((Path(folder) / reading).read_bytes())
     except Exception as error:
-        why = str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}"
-        raise ValueError(f"--load {folder}: cannot read its {reading} ({why})") from None
+        raise ValueError(
+            f"--load {folder}: cannot read its {reading} ({describe(error)})"
+        ) from None
     return config, params, grid
 
 
@@ -1801,9 +1814,13 @@ def replot(folder: str) -> None:
     try:
         if not all((output / name).is_file() for name in RUN_FILES):
             raise ValueError(f"not a saved run (needs {', '.join(RUN_FILES)})")
+        try:  # the saved config, checked as --load checks it: a damaged file is named
+            saved_config(json.loads((output / "summary.json").read_text())["config"])
+        except Exception as error:
+            raise ValueError(f"summary.json: {describe(error)}") from None
         path = plot_run(output)
     except Exception as error:  # a damaged file: one line, not a traceback
-        message = f"--replot {folder}: cannot redraw ({type(error).__name__}: {error})"[:300]
+        message = f"--replot {folder}: cannot redraw ({describe(error)})"[:300]
         print(f"dqn_cartpole.py: error: {message}", file=sys.stderr)
         sys.exit(2)
     print(f"redrew {path} from the saved files (no training)")

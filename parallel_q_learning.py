@@ -768,9 +768,24 @@ def save_run(output: Path, summary: dict, config: Config, result: TrainResult) -
         np.save(file, np.asarray(result.q_table, np.float32))
 
 
+def describe(error: Exception) -> str:
+    """An error for a line of ours: our own ValueError's words, any other's with its type."""
+    return str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}"
+
+
 def plot_run(output: Path) -> None:
     """sweep_heatmap.png and learning_curves.png, drawn from the saved files alone."""
-    summary = json.loads((output / "summary.json").read_text())
+    try:  # a damaged summary.json is named, and so is a setting it lacks
+        summary = json.loads((output / "summary.json").read_text())
+        if "grid" not in summary:  # the gridworld's, say
+            raise ValueError("not a run of parallel_q_learning.py (it holds no grid)")
+        saved = summary["config"]
+        names = [field.name for field in dataclasses.fields(Config)]
+        if missing := [name for name in names if name not in saved]:
+            raise ValueError(f"its config lacks {missing[0]!r}")
+        Config(**{name: tuple(v) if type(v) is list else v for name, v in saved.items()})
+    except Exception as error:
+        raise ValueError(f"summary.json: {describe(error)}") from None
     # Parsed by numpy (a dict per row took ~750 bytes); no rows: our line, not numpy's warning.
     with open(output / "curves.csv") as file, warnings.catch_warnings(action="ignore"):
         names = file.readline().strip().split(",")
@@ -1242,11 +1257,9 @@ def main(argv: list[str] | None = None) -> None:
         if not all((config / name).is_file() for name in RUN_FILES):
             fail(f"--replot: {str(config)!r} is not a saved run (needs {', '.join(RUN_FILES)})")
         try:
-            if "grid" not in json.loads((config / "summary.json").read_text()):  # the gridworld's
-                raise ValueError("not a run of parallel_q_learning.py (its summary has no grid)")
             plot_run(config)
         except Exception as error:  # a damaged file: one line, not a traceback
-            fail(f"--replot {config}: cannot redraw ({type(error).__name__}: {error})"[:300])
+            fail(f"--replot {config}: cannot redraw ({describe(error)})"[:300])
         return print(f"redrew sweep_heatmap.png, learning_curves.png in {config}/ (no training)")
     # The progress line leaves the compiled sweep through jax.debug.callback, which needs JAX's
     # CPU platform: JAX_PLATFORMS=cuda gets cpu beside it (cuda, first, still runs the sweep).

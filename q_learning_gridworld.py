@@ -673,13 +673,25 @@ def save_run(output_dir: Path, summary: dict, out: dict) -> None:
         np.save(file, np.asarray(out["q_values"], np.float32))
 
 
+def describe(error: Exception) -> str:
+    """An error for a line of ours: our own ValueError's words, any other's with its type."""
+    return str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}"
+
+
 def plot_run(run_dir: Path) -> Path:
     """Max-Q heatmap of seed 0 with its greedy actions, then two learning curves, drawn from
     the saved files alone (so the figure shows nothing that was not saved) -> its path."""
     from matplotlib.figure import Figure  # not pyplot: a file only, no display or backend
     from matplotlib.ticker import LogFormatter
 
-    config = Config(**json.loads((run_dir / "summary.json").read_text())["config"])
+    try:  # a damaged summary.json is named, and so is a setting it lacks (a default may differ)
+        saved = json.loads((run_dir / "summary.json").read_text())["config"]
+        names = [field.name for field in dataclasses.fields(Config)]
+        if missing := [name for name in names if name not in saved]:
+            raise ValueError(f"its config lacks {missing[0]!r}")
+        config = Config(**saved)
+    except Exception as error:
+        raise ValueError(f"summary.json: {describe(error)}") from None
     env, n = GridWorld(config.layout, config.max_episode_steps), config.num_seeds
     # Not np.load: a file that is not .npy, it would read as a pickle (and advise allow_pickle).
     with open(run_dir / "q_tables.npy", "rb") as file:
@@ -965,7 +977,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             path = plot_run(config)
         except Exception as error:  # a damaged file: one line, not a traceback
-            fail(f"--replot {config}: cannot redraw ({type(error).__name__}: {error})"[:300])
+            fail(f"--replot {config}: cannot redraw ({describe(error)})"[:300])
         return print(f"redrew {path} from the files saved there (no training)")
     check_backend()
     env = GridWorld(config.layout, config.max_episode_steps)

@@ -1387,10 +1387,14 @@ def test_a_saved_config_of_other_types_is_refused_as_it_is_read(tmp_path, capsys
     """A hand-edited value whose type is not its field's (a width of 16.0, a float seed count, a
     number for a flag) is one line as --load or --resume reads it, not a traceback later, and so
     are another script's config and an unknown env; the saved config itself, and an int for a
-    float, are taken as they are."""
+    float, are taken as they are; a setting left out is refused."""
     saved = json.loads(json.dumps(dataclasses.asdict(TINY)))  # as summary.json holds it
     assert dqn.saved_config(saved) == TINY
     assert dqn.saved_config(saved | {"gamma": 1}) == dataclasses.replace(TINY, gamma=1.0)
+    with pytest.raises(
+        ValueError, match="^its config lacks 'gamma'$"
+    ):  # its default, not the run's
+        dqn.saved_config({name: value for name, value in saved.items() if name != "gamma"})
     bad = [("hidden_sizes", [16.0, 16.0]), ("hidden_sizes", 16), ("num_seeds", 3.0)]
     bad += [("env", 5), ("layer_norm", "yes"), ("double_dqn", 1), ("learning_rate", None)]
     for name, value in bad:

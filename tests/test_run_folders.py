@@ -2,9 +2,11 @@
 (made atomically, locked while a run writes), writes that a signal does not cut, and one line
 for a JAX platform the machine lacks."""
 
+import dataclasses
 import fcntl
 import importlib.util
 import io
+import json
 import os
 import resource
 import shlex
@@ -208,6 +210,27 @@ def test_replot_of_a_damaged_run_is_one_line(script, tmp_path, capsys):
         script.main(["--replot", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and "--replot" in err[0], err
+
+
+def test_replot_names_a_damaged_summary_and_a_setting_it_lacks(script, tmp_path, capsys):
+    """A damaged summary.json was `cannot redraw (KeyError: 'config')`, naming no file; one whose
+    config lacked a setting was drawn, in the gridworld, with the default in its place (which
+    may not have been the run's). summary.json is read first: the other files are never read."""
+    for name in script.RUN_FILES:
+        (tmp_path / name).write_text("not read")
+    config = json.loads(json.dumps(dataclasses.asdict(script.Config())))  # as a run saves it
+    lacking = {name: value for name, value in config.items() if name != "total_timesteps"}
+    for summary, why in (
+        ("{bad", "summary.json: JSONDecodeError: "),
+        (json.dumps({"grid": []}), "summary.json: KeyError: 'config'"),
+        (json.dumps({"grid": [], "config": lacking}), "summary.json: its config lacks "),
+    ):
+        (tmp_path / "summary.json").write_text(summary)
+        with pytest.raises(SystemExit) as exit_info:
+            script.main(["--replot", str(tmp_path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and len(err) == 1, err
+        assert f"--replot {tmp_path}: cannot redraw ({why}" in err[0], err
 
 
 # cuda where no NVIDIA GPU is seen: JAX passes over it, and would train on the CPU unasked.
