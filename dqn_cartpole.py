@@ -983,14 +983,22 @@ def describe(error: Exception) -> str:
     return str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}"
 
 
+@contextlib.contextmanager
+def reading(path: Path):
+    """Reading a saved file (-> its path): whatever is wrong with it (damaged, hand-edited) is
+    one ValueError that names it."""
+    try:
+        yield path
+    except Exception as error:
+        raise ValueError(f"{path.name}: {describe(error)}") from None
+
+
 def saved_config(saved: dict) -> Config:
     """The Config of a run's summary.json or checkpoint. A value whose type is not its field's
     (hand-edited: a width of 16.0, a float step count) is a ValueError here, not a traceback
     later, and so is a setting left out (its default may not be the run's); JSON keeps a tuple
     as a list and may keep a float as an int."""
     defaults = {field.name: field.default for field in dataclasses.fields(Config)}
-    if missing := [name for name in defaults if name not in saved]:
-        raise ValueError(f"its config lacks {missing[0]!r}")
     for name, value in saved.items():
         if name not in defaults:  # a gridworld run's "layout", say
             raise ValueError(f"its config has {name!r}, not a setting of dqn_cartpole.py")
@@ -1001,6 +1009,8 @@ def saved_config(saved: dict) -> Config:
             ok = type(value) is type(default) or (type(default), type(value)) == (float, int)
         if not ok:
             raise ValueError(f"{name} {value!r} is not of the type of its default, {default!r}")
+    if missing := [name for name in defaults if name not in saved]:
+        raise ValueError(f"its config lacks {missing[0]!r}")
     config = Config(**{name: tuple(v) if type(v) is list else v for name, v in saved.items()})
     gymnax_id(config.env)  # an env we know (ValueError)
     return config
@@ -1070,16 +1080,16 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int
 
 def read_curves(output: Path, summary: dict) -> dict[str, np.ndarray]:
     """curves.csv as arrays [grid points, seeds, evaluations] (NaN for an empty cell)."""
-    with open(output / "curves.csv") as file:
-        rows = list(csv.DictReader(file))
     num_seeds = summary["config"]["num_seeds"]
-    if sorted({int(row["seed"]) for row in rows}) != list(range(num_seeds)):  # none, or edited
-        raise ValueError(f"curves.csv does not hold the summary's {num_seeds} seeds")
-    shape = (len(summary.get("grid", [None])), num_seeds, -1)
-    number = lambda text: float(text) if text else np.nan  # noqa: E731
-    curves = {name: np.array([number(r[name]) for r in rows]).reshape(shape) for name in CURVES}
-    if (curves["step"] != curves["step"][:1, :1]).any():  # rows cut off or mixed up
-        raise ValueError("curves.csv does not hold the same evaluations for every seed")
+    with reading(output / "curves.csv") as path, open(path) as file:
+        rows = list(csv.DictReader(file))
+        if sorted({int(row["seed"]) for row in rows}) != list(range(num_seeds)):  # none, edited
+            raise ValueError(f"it does not hold the summary's {num_seeds} seeds")
+        shape = (len(summary.get("grid", [None])), num_seeds, -1)
+        number = lambda text: float(text) if text else np.nan  # noqa: E731
+        curves = {name: np.array([number(r[name]) for r in rows]).reshape(shape) for name in CURVES}
+        if (curves["step"] != curves["step"][:1, :1]).any():  # rows cut off or mixed up
+            raise ValueError("it does not hold the same evaluations for every seed")
     return curves
 
 
@@ -1436,18 +1446,16 @@ def build_parser() -> argparse.ArgumentParser:
 def load_run(folder: str) -> tuple[Config, Any, list | None]:
     """Saved config, params and grid points (None: one configuration) of a run folder; any
     problem is a one-line ValueError."""
-    reading = "summary.json"  # the file that an error names
     try:
-        summary = json.loads((Path(folder) / reading).read_text())
-        config = saved_config(summary["config"])
-        grid = [{name: float(p["hparams"][name]) for name in HParams._fields} for p in
-                summary["grid"]] if "grid" in summary else None  # fmt: skip
-        reading = "params.msgpack"
-        params = flax.serialization.msgpack_restore((Path(folder) / reading).read_bytes())
-    except Exception as error:
-        raise ValueError(
-            f"--load {folder}: cannot read its {reading} ({describe(error)})"
-        ) from None
+        with reading(Path(folder) / "summary.json") as path:
+            summary = json.loads(path.read_text())
+            config = saved_config(summary["config"])
+            grid = [{name: float(p["hparams"][name]) for name in HParams._fields} for p in
+                    summary["grid"]] if "grid" in summary else None  # fmt: skip
+        with reading(Path(folder) / "params.msgpack") as path:
+            params = flax.serialization.msgpack_restore(path.read_bytes())
+    except ValueError as error:  # reading's, which names the file
+        raise ValueError(f"--load {folder}: cannot read its {error}") from None
     return config, params, grid
 
 
@@ -1814,10 +1822,8 @@ def replot(folder: str) -> None:
     try:
         if not all((output / name).is_file() for name in RUN_FILES):
             raise ValueError(f"not a saved run (needs {', '.join(RUN_FILES)})")
-        try:  # the saved config, checked as --load checks it: a damaged file is named
-            saved_config(json.loads((output / "summary.json").read_text())["config"])
-        except Exception as error:
-            raise ValueError(f"summary.json: {describe(error)}") from None
+        with reading(output / "summary.json") as path:  # its config, checked as --load does
+            saved_config(json.loads(path.read_text())["config"])
         path = plot_run(output)
     except Exception as error:  # a damaged file: one line, not a traceback
         message = f"--replot {folder}: cannot redraw ({describe(error)})"[:300]

@@ -773,10 +773,20 @@ def describe(error: Exception) -> str:
     return str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}"
 
 
+@contextlib.contextmanager
+def reading(path: Path):
+    """Reading a saved file (-> its path): whatever is wrong with it (damaged, hand-edited) is
+    one ValueError that names it."""
+    try:
+        yield path
+    except Exception as error:
+        raise ValueError(f"{path.name}: {describe(error)}") from None
+
+
 def plot_run(output: Path) -> None:
     """sweep_heatmap.png and learning_curves.png, drawn from the saved files alone."""
-    try:  # a damaged summary.json is named, and so is a setting it lacks
-        summary = json.loads((output / "summary.json").read_text())
+    with reading(output / "summary.json") as path:  # a setting it lacks: a default may differ
+        summary = json.loads(path.read_text())
         if "grid" not in summary:  # the gridworld's, say
             raise ValueError("not a run of parallel_q_learning.py (it holds no grid)")
         saved = summary["config"]
@@ -784,16 +794,18 @@ def plot_run(output: Path) -> None:
         if missing := [name for name in names if name not in saved]:
             raise ValueError(f"its config lacks {missing[0]!r}")
         Config(**{name: tuple(v) if type(v) is list else v for name, v in saved.items()})
-    except Exception as error:
-        raise ValueError(f"summary.json: {describe(error)}") from None
     # Parsed by numpy (a dict per row took ~750 bytes); no rows: our line, not numpy's warning.
-    with open(output / "curves.csv") as file, warnings.catch_warnings(action="ignore"):
+    with (
+        reading(output / "curves.csv") as path,
+        open(path) as file,
+        warnings.catch_warnings(action="ignore"),
+    ):
         names = file.readline().strip().split(",")
         values = np.loadtxt(file, delimiter=",", ndmin=2)
-    if not values.size:
-        raise ValueError("curves.csv holds no rows")
-    shape = (len(summary["grid"]), summary["config"]["num_seeds"], -1)  # [grid, seeds, points]
-    curves = {name: values[:, i].reshape(shape) for i, name in enumerate(names)}
+        if not values.size:
+            raise ValueError("it holds no rows")
+        shape = (len(summary["grid"]), saved["num_seeds"], -1)  # [grid, seeds, points]
+        curves = {name: values[:, i].reshape(shape) for i, name in enumerate(names)}
     plot_heatmap(summary, output / "sweep_heatmap.png")
     plot_curves(summary, curves, output / "learning_curves.png")
 

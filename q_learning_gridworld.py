@@ -642,15 +642,30 @@ def write_csv(path: Path, columns: dict) -> None:
             writer.writerows(zip(*(a[seed].tolist() for a in arrays), strict=True))
 
 
+def describe(error: Exception) -> str:
+    """An error for a line of ours: our own ValueError's words, any other's with its type."""
+    return str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}"
+
+
+@contextlib.contextmanager
+def reading(path: Path):
+    """Reading a saved file (-> its path): whatever is wrong with it (damaged, hand-edited) is
+    one ValueError that names it."""
+    try:
+        yield path
+    except Exception as error:
+        raise ValueError(f"{path.name}: {describe(error)}") from None
+
+
 def read_csv(path: Path, num_seeds: int) -> dict:
     """write_csv's file -> {column: float array [seeds, points]}, parsed by numpy (a dict per row
     took ~600 bytes a row: a run the memory check let through ran out of it here)."""
-    with open(path) as file, warnings.catch_warnings(action="ignore"):  # numpy's, for no rows
+    with reading(path), open(path) as file, warnings.catch_warnings(action="ignore"):
         names = file.readline().strip().split(",")
         values = np.loadtxt(file, delimiter=",", ndmin=2)
-    if not values.size:  # one line that names the file, not numpy's warning and a reshape error
-        raise ValueError(f"{path.name} holds no rows")
-    return {name: values[:, i].reshape(num_seeds, -1) for i, name in enumerate(names)}
+        if not values.size:  # our line, not numpy's warning (ignored) and a reshape error
+            raise ValueError("it holds no rows")
+        return {name: values[:, i].reshape(num_seeds, -1) for i, name in enumerate(names)}
 
 
 RUN_FILES = ("summary.json", "curves.csv", "first_episodes.csv", "q_tables.npy")
@@ -673,28 +688,21 @@ def save_run(output_dir: Path, summary: dict, out: dict) -> None:
         np.save(file, np.asarray(out["q_values"], np.float32))
 
 
-def describe(error: Exception) -> str:
-    """An error for a line of ours: our own ValueError's words, any other's with its type."""
-    return str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}"
-
-
 def plot_run(run_dir: Path) -> Path:
     """Max-Q heatmap of seed 0 with its greedy actions, then two learning curves, drawn from
     the saved files alone (so the figure shows nothing that was not saved) -> its path."""
     from matplotlib.figure import Figure  # not pyplot: a file only, no display or backend
     from matplotlib.ticker import LogFormatter
 
-    try:  # a damaged summary.json is named, and so is a setting it lacks (a default may differ)
-        saved = json.loads((run_dir / "summary.json").read_text())["config"]
+    with reading(run_dir / "summary.json") as path:  # a setting it lacks: a default may differ
+        saved = json.loads(path.read_text())["config"]
         names = [field.name for field in dataclasses.fields(Config)]
         if missing := [name for name in names if name not in saved]:
             raise ValueError(f"its config lacks {missing[0]!r}")
         config = Config(**saved)
-    except Exception as error:
-        raise ValueError(f"summary.json: {describe(error)}") from None
     env, n = GridWorld(config.layout, config.max_episode_steps), config.num_seeds
     # Not np.load: a file that is not .npy, it would read as a pickle (and advise allow_pickle).
-    with open(run_dir / "q_tables.npy", "rb") as file:
+    with reading(run_dir / "q_tables.npy") as path, open(path, "rb") as file:
         q = np.lib.format.read_array(file)[0].reshape(env.num_cells, NUM_ACTIONS)
     curves, first = (read_csv(run_dir / name, n) for name in ("curves.csv", "first_episodes.csv"))
     fig = Figure(figsize=(18, 5), layout="tight")

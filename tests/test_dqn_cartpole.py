@@ -1373,8 +1373,8 @@ def test_load_of_a_damaged_run_names_the_file_and_its_error(tmp_path, capsys):
     (tmp_path / "curves.csv").write_text("seed,step\n")
     (tmp_path / "params.msgpack").write_bytes(b"")
     for summary, problem in (
-        ({}, "cannot read its summary.json (KeyError: 'config')"),
-        ({"config": config}, "cannot read its params.msgpack (Unpack failed: incomplete input)"),
+        ({}, "cannot read its summary.json: KeyError: 'config'"),
+        ({"config": config}, "cannot read its params.msgpack: Unpack failed: incomplete input"),
     ):
         (tmp_path / "summary.json").write_text(json.dumps(summary))
         with pytest.raises(SystemExit) as exit_info:
@@ -1577,7 +1577,8 @@ def test_resume_and_replot_refuse_other_flags_and_a_folder_without_a_checkpoint(
         (["--resume", str(tmp_path / "finished" / "summary.json")], "json: not a folder"),
         (["--resume", str(tmp_path / "gridworld")], "not a run of dqn_cartpole.py ("),
     ]:
-        for name, config in (("finished", {}), ("gridworld", {"layout": "four_rooms"})):
+        finished = json.loads(json.dumps(dataclasses.asdict(dqn.Config())))  # as a run saves it
+        for name, config in (("finished", finished), ("gridworld", {"layout": "four_rooms"})):
             (tmp_path / name).mkdir(exist_ok=True)  # a summary, and no checkpoint
             (tmp_path / name / "summary.json").write_text(json.dumps({"config": config}))
         with pytest.raises(SystemExit) as exit_info:

@@ -614,7 +614,7 @@ def test_cli_happy_path(tmp_path):
     (output / "curves.csv").write_text((output / "curves.csv").read_text().splitlines()[0])
     done = subprocess.run(replot, capture_output=True, text=True, check=False)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert "cannot redraw (curves.csv holds no rows)" in done.stderr, done.stderr
+    assert "cannot redraw (curves.csv: it holds no rows)" in done.stderr, done.stderr
 
 
 def test_seed_i_is_the_same_agent_whatever_num_seeds(tmp_path):

@@ -772,7 +772,7 @@ def test_replot_of_a_run_with_a_damaged_file_is_one_line(saved_run, tmp_path, da
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "allow_pickle" not in lines[0], lines
     if damaged == "curves.csv":  # numpy's own words named no file
-        assert "cannot redraw (curves.csv holds no rows)" in lines[0], lines
+        assert "cannot redraw (curves.csv: it holds no rows)" in lines[0], lines
 
 
 def test_replot_of_a_folder_that_is_no_run_or_with_a_bad_flag_is_one_line(tmp_path, capsys):
