@@ -1345,6 +1345,9 @@ def test_curves_cut_short_are_refused_not_drawn(tmp_path):
         (tmp_path / "curves.csv").write_text("\n".join(text))
         with pytest.raises(ValueError, match=f"hold the summary's {num_seeds} seeds"):
             dqn.read_curves(tmp_path, {"config": {"num_seeds": num_seeds}})
+    (tmp_path / "curves.csv").write_text("\n".join([*rows[:4], "1,500,x,12,0.4"]))  # a text
+    with pytest.raises(ValueError, match="^curves.csv: could not convert string to float: 'x'"):
+        dqn.read_curves(tmp_path, summary)  # it named no file
 
 
 def test_load_refuses_params_of_other_agents_than_the_summary_says(tmp_path, capsys):

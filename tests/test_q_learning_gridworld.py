@@ -771,7 +771,8 @@ def test_replot_of_a_run_with_a_damaged_file_is_one_line(saved_run, tmp_path, da
     done = subprocess.run(replot, capture_output=True, text=True, check=False)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "allow_pickle" not in lines[0], lines
-    if damaged == "curves.csv":  # numpy's own words named no file
+    assert f"cannot redraw ({damaged}: " in lines[0], lines  # numpy's own words named no file
+    if damaged == "curves.csv":
         assert "cannot redraw (curves.csv: it holds no rows)" in lines[0], lines
 
 
