@@ -790,8 +790,8 @@ def plot_run(output: Path) -> None:
         if "grid" not in summary:  # the gridworld's, say
             raise ValueError("not a run of parallel_q_learning.py (it holds no grid)")
         saved = summary["config"]
-        names = [field.name for field in dataclasses.fields(Config)]
-        if missing := [name for name in names if name not in saved]:
+        settings = [field.name for field in dataclasses.fields(Config)]
+        if missing := [name for name in settings if name not in saved]:
             raise ValueError(f"its config lacks {missing[0]!r}")
         Config(**{name: tuple(v) if type(v) is list else v for name, v in saved.items()})
     # Parsed by numpy (a dict per row took ~750 bytes); no rows: our line, not numpy's warning.

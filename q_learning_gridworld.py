@@ -696,8 +696,8 @@ def plot_run(run_dir: Path) -> Path:
 
     with reading(run_dir / "summary.json") as path:  # a setting it lacks: a default may differ
         saved = json.loads(path.read_text())["config"]
-        names = [field.name for field in dataclasses.fields(Config)]
-        if missing := [name for name in names if name not in saved]:
+        settings = [field.name for field in dataclasses.fields(Config)]
+        if missing := [name for name in settings if name not in saved]:
             raise ValueError(f"its config lacks {missing[0]!r}")
         config = Config(**saved)
     env, n = GridWorld(config.layout, config.max_episode_steps), config.num_seeds
