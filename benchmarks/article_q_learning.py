@@ -85,11 +85,14 @@ def main():
     train = make_train(args.timesteps)
     if args.num_agents:
         fn = jax.jit(jax.vmap(train))
-        keys = random.split(random.key(0), args.num_agents)
+        keys = jax.eval_shape(lambda: random.split(random.key(0), args.num_agents))
     else:
         fn = jax.jit(train)
-        keys = random.key(0)
-    jax.block_until_ready(fn(keys))  # compile and warm up
+        keys = jax.eval_shape(lambda: random.key(0))
+    fn = fn.lower(keys).compile()  # what it holds is known before anything is allocated
+    cli.check_fits(fn, "--num-agents, --timesteps")
+    keys = random.split(random.key(0), args.num_agents) if args.num_agents else random.key(0)
+    jax.block_until_ready(fn(keys))  # warm up
     start = time.perf_counter()
     _, episodes = jax.block_until_ready(fn(keys))
     seconds = time.perf_counter() - start

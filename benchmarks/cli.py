@@ -161,6 +161,24 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+def failed(result: subprocess.CompletedProcess) -> None:
+    """A yardstick or script this benchmark ran has failed: one line, its own last (a refused
+    flag's line, a traceback's end), exit 2 if it refused its arguments, else 1."""
+    last = (result.stderr.strip().splitlines() or ["no message"])[-1]
+    print(f"{NAME}: error: {Path(result.args[1]).name} failed: {last}"[:300], file=sys.stderr)
+    sys.exit(2 if result.returncode == 2 else 1)
+
+
+def check_fits(compiled, flags: str) -> None:
+    """One line naming `flags` unless a compiled call's arguments, outputs and temporaries fit
+    in half of this machine's memory: too many agents, refused before they are allocated."""
+    stats = compiled.memory_analysis()
+    need = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+    half = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    if need > half:
+        fail(f"{flags}: about {need / 2**30:,.1f} GiB, more than half the memory")
+
+
 def parser(doc: str) -> argparse.ArgumentParser:
     """An ArgumentParser described by the first line of `doc`, defaults in --help; its errors
     are one line, exit 2."""

@@ -75,7 +75,7 @@ def timed(command: list[str], devices: int, one_core: bool) -> tuple[float, str]
     result = cli.captured(command, env=env, preexec_fn=pin)
     lines = [line for line in result.stdout.splitlines() if "steps_per_s=" in line]
     if result.returncode or not lines:
-        sys.exit(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+        cli.failed(result)
     return float(re.search(r"steps_per_s=([\d.]+)", lines[-1]).group(1)), lines[-1]
 
 

@@ -23,6 +23,7 @@ import platform
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -220,9 +221,14 @@ def main(argv: list[str] | None = None) -> None:
         )
         pq.validate(largest, pq.make_schedule(largest))
         single_agent_config(args)
+        with tempfile.TemporaryFile(dir=args.output_dir):  # os.access lets root "write" to /proc
+            pass
     except pq.ConfigError as error:
         message = str(error).replace("--num-seeds", "--max-agents")
         cli.fail(message.replace("--total-timesteps", "--agent-steps"))
+    except OSError as error:  # after the measurements, they would be lost
+        pq.remove_if_empty(Path(args.output_dir))
+        cli.fail(f"--output-dir {args.output_dir}: cannot write a file there ({error.strerror})")
     try:
         measure(args, env)
     except BaseException:  # stopped or failed: no empty folder left

@@ -34,7 +34,7 @@ def yardstick_steps_per_s(timesteps: int) -> float:
     command = [sys.executable, str(YARDSTICK), "--timesteps", str(timesteps)]
     result = cli.captured(command)
     if result.returncode != 0:
-        sys.exit(f"{YARDSTICK.name} failed:\n{result.stderr}")
+        cli.failed(result)
     return float(re.search(r"steps_per_s=([0-9.]+)", result.stdout).group(1))
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import cli  # next to this file: the benchmarks' flags
 
 ROOT = Path(__file__).resolve().parent.parent
+OURS = ("--output-dir", "--coordinator-address", "--num-processes", "--process-id")
 
 
 def free_port() -> int:
@@ -50,8 +51,9 @@ def run(script: str, args: list[str], processes: int, output: str) -> tuple[floa
     with cli.started(commands, stdout=pipe, stderr=pipe, text=True, env=env) as children:
         results = [child.communicate() for child in children]
     wall = time.perf_counter() - start
-    if any(child.returncode for child in children):
-        sys.exit(f"{' '.join(command)} failed:\n{results[0][1].strip()[-2000:]}")
+    for child, (out, err) in zip(children, results, strict=True):
+        if child.returncode:
+            cli.failed(subprocess.CompletedProcess(child.args, child.returncode, out, err))
     # dqn prints "225,979 agent-steps/s", parallel "119.8M agent-steps/s".
     found = re.search(r"([\d,.]+)(M?) agent-steps/s", results[0][0].split("compile")[-1])
     if found is None:
@@ -67,6 +69,12 @@ def main() -> None:
                         help=script_help)  # fmt: skip
     parser.add_argument("--repeats", type=cli.count, default=3, help="alternating rounds; medians")
     known, script_args = parser.parse_known_args()
+    for arg in script_args:  # ours, set for each layout (argparse takes an abbreviation too)
+        name = arg.split("=")[0]
+        if name.startswith("--") and len(name) > 2 and any(f.startswith(name) for f in OURS):
+            cli.fail(
+                f"the script's {', '.join(OURS)} are set here, for each layout; leave out {arg}"
+            )
     layouts = {"1 process x 2 devices": 1, "2 processes x 1 device": 2}
     rates = {name: [] for name in layouts}
     walls = {name: [] for name in layouts}

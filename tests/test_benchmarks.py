@@ -1,5 +1,6 @@
 """The benchmarks' command lines (their runs at a tiny size are tested beside each script)."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -23,6 +24,16 @@ BAD = {  # benchmark and arguments: the flag its one line must name
     "article_dqn.py --timesteps 0": "--timesteps",  # it printed steps_per_s=0, exit 0
     "article_dqn.py --num-agents -1": "--num-agents",
     "two_processes.py parallel_q_learning.py --repeats 0": "--repeats",
+    # The script's own line (it was two lines, the second the script's, exit 1)
+    "two_processes.py parallel_q_learning.py --repeats 1 --num-seeds 0": "--num-seeds",
+    "two_processes.py parallel_q_learning.py --output-dir x": "--output-dir",  # was overridden
+    "dqn_cartpole.py --timesteps 2147483648 --repeats 1": "--timesteps",  # the yardstick's line
+    # Refused before allocating (8 GB of keys, then a traceback or the machine's memory gone)
+    "article_q_learning.py --timesteps 100 --num-agents 1000000000": "--num-agents",
+    "article_dqn.py --timesteps 100 --num-agents 1000000000": "--num-agents",
+    # A folder no file can be made in, though os.access says root may (it measured, then failed)
+    "parallel_q_learning.py --max-agents 4 --agent-steps 4000 --numpy-steps 200 --repeats 1 "
+    "--yardstick-timesteps 100 --yardstick-agents 4 --output-dir /proc": "--output-dir",
     "parallel_q_learning.py --agent-steps 100000000000000000": "--agent-steps",  # int32 steps
     "parallel_q_learning.py --max-agents 1": "--max-agents",  # below the session's 2 devices
 }
@@ -39,13 +50,19 @@ def test_a_bad_count_is_one_line_naming_its_flag():
         script, *argv = command.split()
         runs[command] = subprocess.Popen(
             [sys.executable, str(BENCHMARKS / script), *argv],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )  # fmt: skip
-    for command, run in runs.items():
-        out, err = run.communicate(timeout=120)
-        lines = err.strip().splitlines()
-        assert run.returncode == 2 and len(lines) == 1 and BAD[command] in lines[0], (command, err)
-        assert not out, (command, out)
+    try:
+        for command, run in runs.items():
+            out, err = run.communicate(timeout=120)
+            lines = err.strip().splitlines()
+            one_line = run.returncode == 2 and len(lines) == 1 and BAD[command] in lines[0]
+            assert one_line and not out, (command, err, out)
+    finally:  # one that failed to refuse: the others, which may be measuring, end with it
+        for run in runs.values():
+            with contextlib.suppress(ProcessLookupError):  # its group, yardsticks included
+                os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
 
 
 def test_a_yardstick_that_cannot_run_is_one_line_before_ours_compile(tmp_path):
