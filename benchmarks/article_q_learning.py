@@ -79,8 +79,10 @@ def main():
     parser.add_argument("--timesteps", type=cli.count, default=1_000_000)
     parser.add_argument("--num-agents", type=int, default=0, help="0: one agent, no vmap")
     args = parser.parse_args()
-    if args.timesteps >= 2**31 or args.num_agents < 0:  # the loop counter is int32
-        parser.error("--timesteps must be below 2^31, --num-agents at least 0")
+    if args.timesteps >= 2**31:  # the loop counter is int32
+        parser.error(f"--timesteps: must be below 2^31, got {args.timesteps}")
+    if args.num_agents < 0:
+        parser.error(f"--num-agents: must be at least 0, got {args.num_agents}")
 
     train = make_train(args.timesteps)
     if args.num_agents:

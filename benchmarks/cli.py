@@ -155,18 +155,18 @@ def captured(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(command, child.returncode, out, err)
 
 
-def fail(message: str) -> None:
-    """One line, exit 2: a bad flag."""
-    print(f"{NAME}: error: {message}", file=sys.stderr)
-    sys.exit(2)
+def fail(message: str, status: int = 2) -> None:
+    """One line on stderr (none if it is closed: not on stdout), exit 2: a bad flag."""
+    if sys.stderr is not None:  # None: started with 2>&- (print would write to stdout)
+        print(f"{NAME}: error: {message}", file=sys.stderr)
+    sys.exit(status)
 
 
 def failed(result: subprocess.CompletedProcess) -> None:
     """A yardstick or script this benchmark ran has failed: one line, its own last (a refused
     flag's line, a traceback's end), exit 2 if it refused its arguments, else 1."""
     last = (result.stderr.strip().splitlines() or ["no message"])[-1]
-    print(f"{NAME}: error: {Path(result.args[1]).name} failed: {last}"[:300], file=sys.stderr)
-    sys.exit(2 if result.returncode == 2 else 1)
+    fail(f"{Path(result.args[1]).name} failed: {last}"[:300], 2 if result.returncode == 2 else 1)
 
 
 def check_fits(compiled, flags: str) -> None:

@@ -28,33 +28,44 @@ HERE = Path(__file__).resolve().parent
 YARDSTICK = HERE / "article_dqn.py"
 
 
-def train_ours(timesteps: int, num_agents: int) -> None:
-    """One timed run of dqn_cartpole.py at the article's settings; prints steps_per_s=..."""
+def article_run(timesteps: int, num_agents: int):
+    """dqn_cartpole.py at the article's settings -> (module, config, env, network, plan); a size
+    the DQN refuses (its memory check too) is one line naming our flags."""
     sys.path.insert(0, str(HERE.parent))
     import dqn_cartpole as dqn
 
-    config = dataclasses.replace(
-        dqn.Config(),
-        total_timesteps=timesteps,
-        eval_every=timesteps,
-        num_seeds=num_agents,
-        hidden_sizes=(64, 64, 64),
-        batch_size=32,
-        buffer_size=512,
-        train_frequency=1,
-        learning_starts=0,
-        target_update_interval=10,
-        tau=1.0,
-        gamma=0.9,
-        learning_rate=1e-3,
-        anneal_lr=False,
-        double_dqn=False,
-        layer_norm=False,
-        eval_episodes=1,
-    )
     env = dqn.CartPole()
-    network = dqn.QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
-    plan = dqn.plan_seeds(num_agents, dqn.bytes_per_seed(config, env, network))
+    try:
+        config = dataclasses.replace(
+            dqn.Config(),
+            total_timesteps=timesteps,
+            eval_every=timesteps,
+            num_seeds=num_agents,
+            hidden_sizes=(64, 64, 64),
+            batch_size=32,
+            buffer_size=512,
+            train_frequency=1,
+            learning_starts=0,
+            target_update_interval=10,
+            tau=1.0,
+            gamma=0.9,
+            learning_rate=1e-3,
+            anneal_lr=False,
+            double_dqn=False,
+            layer_norm=False,
+            eval_episodes=1,
+        )
+        network = dqn.QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
+        terms, held_bytes = dqn.memory_need(config, env, network)
+        dqn.check_memory(terms, held_bytes, num_agents)
+    except (ValueError, MemoryError) as error:
+        cli.fail(f"--num-agents {num_agents}, --timesteps {timesteps}: the DQN's {error}")
+    return dqn, config, env, network, dqn.plan_seeds(num_agents, sum(terms.values()))
+
+
+def train_ours(timesteps: int, num_agents: int) -> None:
+    """One timed run of dqn_cartpole.py at the article's settings; prints steps_per_s=..."""
+    dqn, config, env, network, plan = article_run(timesteps, num_agents)
     grid = dqn.hparam_grid([config.hparams()._asdict()])
     timings = {}
     for _ in dqn.train_agents(config, env, network, 0, grid, plan, timings=timings):
@@ -88,9 +99,14 @@ def main() -> None:
     ours_help = "only ours, once, at the given size, in this process (as each measured run starts)"
     parser.add_argument("--ours", action="store_true", help=ours_help)
     args = parser.parse_args()
+    parser.set_defaults(repeats=None, one_core=None)  # parsed again: None for a flag left out
+    given = parser.parse_args()
+    if args.ours and (given.repeats, given.one_core) != (None, None):
+        parser.error("--ours runs once, in this process; leave out --repeats and --one-core")
     size = ["--timesteps", str(args.timesteps), "--num-agents", str(args.num_agents)]
     if args.ours:
         return train_ours(args.timesteps, args.num_agents)
+    article_run(args.timesteps, args.num_agents)  # a size ours refuses: one line, before any run
 
     yardstick, ours = [sys.executable, str(YARDSTICK), *size], [sys.executable, __file__, "--ours"]
     sides = {  # name: (command, devices, on one core)

@@ -75,14 +75,19 @@ def main() -> None:
     every_help = "steps between the blocks' checkpoints (the command line's default)"
     parser.add_argument("--checkpoint-every", type=cli.count, default=25_000, help=every_help)
     args = parser.parse_args()
-    config = dataclasses.replace(
-        dqn.Config(), num_seeds=args.seeds, total_timesteps=args.timesteps,
-        eval_every=min(dqn.Config().eval_every, args.timesteps // 2),  # two blocks or more
-        learning_starts=min(dqn.Config().learning_starts, args.timesteps // 2),
-    )  # fmt: skip
     env = dqn.CartPole()
-    network = dqn.QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
-    plan = dqn.plan_seeds(args.seeds, dqn.bytes_per_seed(config, env, network))
+    try:  # what the DQN refuses (its flags are ours here), before any run
+        config = dataclasses.replace(
+            dqn.Config(), num_seeds=args.seeds, total_timesteps=args.timesteps,
+            eval_every=min(dqn.Config().eval_every, args.timesteps // 2),  # two blocks or more
+            learning_starts=min(dqn.Config().learning_starts, args.timesteps // 2),
+        )  # fmt: skip
+        network = dqn.QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
+        terms, held_bytes = dqn.memory_need(config, env, network)
+        dqn.check_memory(terms, held_bytes, args.seeds)
+    except (ValueError, MemoryError) as error:
+        cli.fail(f"--seeds {args.seeds}, --timesteps {args.timesteps}: the DQN's {error}")
+    plan = dqn.plan_seeds(args.seeds, sum(terms.values()))
     grid = dqn.hparam_grid([config.hparams()._asdict()])
     times = {"blocks": [], "one call": []}
     with tempfile.TemporaryDirectory() as folder:

@@ -168,9 +168,8 @@ def parts(steps: int) -> dict:
     }
 
 
-def profile(function, keys, steps: int, top: int = 16) -> None:
-    """Print `function`'s compiled XLA ops that took the most time in one traced call, per step."""
-    compiled = function.lower(keys).compile()
+def profile(compiled, keys, steps: int, top: int = 16) -> None:
+    """Print a compiled function's XLA ops that took the most time in one traced call, per step."""
     jax.block_until_ready(compiled(keys))  # warm up
     with tempfile.TemporaryDirectory() as folder:
         jax.profiler.start_trace(folder)
@@ -205,12 +204,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=cli.count, default=3, help="alternating rounds; medians")
     parser.add_argument("--profile", action="store_true", help="the update's XLA ops by time")
     args = parser.parse_args()
+    for name in ("agents", "steps"):
+        if getattr(args, name) >= 2**31:  # the scans' counters, the agents' indices: int32
+            parser.error(f"--{name}: must be below 2^31, got {getattr(args, name)}")
+    parser.set_defaults(repeats=None)  # parsed again: None if --repeats was left out
+    if args.profile and parser.parse_args().repeats is not None:
+        parser.error("--profile times one traced call; leave out --repeats")
+    shape = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), args.agents))
+    functions = {}
+    for name, f in parts(args.steps).items():
+        if name == "update" or not args.profile:
+            functions[name] = jax.jit(jax.vmap(f)).lower(shape).compile()
+            cli.check_fits(functions[name], "--agents, --steps")  # before the agents' state
     keys = jax.random.split(jax.random.key(0), args.agents)
-    functions = {name: jax.jit(jax.vmap(f)) for name, f in parts(args.steps).items()}
     if args.profile:
         return profile(functions["update"], keys, args.steps)
     for f in functions.values():
-        jax.block_until_ready(f(keys))  # compile and warm up
+        jax.block_until_ready(f(keys))  # warm up
     times = {name: [] for name in functions}
     for _ in range(args.repeats):
         for name, f in functions.items():

@@ -31,6 +31,15 @@ BAD = {  # benchmark and arguments: the flag its one line must name
     # Refused before allocating (8 GB of keys, then a traceback or the machine's memory gone)
     "article_q_learning.py --timesteps 100 --num-agents 1000000000": "--num-agents",
     "article_dqn.py --timesteps 100 --num-agents 1000000000": "--num-agents",
+    # The DQN's refusals, as one line naming our flags (each was a traceback)
+    "dqn_segments.py --seeds 2 --timesteps 1 --repeats 1": "--timesteps",
+    "dqn_segments.py --seeds 10000000 --timesteps 600 --repeats 1": "--seeds",  # it ran
+    "dqn_cartpole.py --ours --num-agents 10000000 --timesteps 600": "--num-agents",
+    "dqn_cartpole.py --num-agents 10000000 --timesteps 600 --repeats 1": "--num-agents",
+    "dqn_time_split.py --agents 2 --steps 3000000000": "--steps",
+    # A flag that the other given one ignores (both ran, as if it were not there)
+    "dqn_cartpole.py --ours --repeats 2": "--repeats",
+    "dqn_time_split.py --profile --repeats 2": "--repeats",
     # A folder no file can be made in, though os.access says root may (it measured, then failed)
     "parallel_q_learning.py --max-agents 4 --agent-steps 4000 --numpy-steps 200 --repeats 1 "
     "--yardstick-timesteps 100 --yardstick-agents 4 --output-dir /proc": "--output-dir",
@@ -63,6 +72,14 @@ def test_a_bad_count_is_one_line_naming_its_flag():
             with contextlib.suppress(ProcessLookupError):  # its group, yardsticks included
                 os.killpg(run.pid, signal.SIGKILL)
             run.wait()
+
+
+def test_a_bad_flag_with_stderr_closed_prints_nothing():
+    """Started with 2>&-, the one line went to stdout (print with sys.stderr None)."""
+    command = [sys.executable, str(BENCHMARKS / "article_q_learning.py"), "--timesteps", "0"]
+    closed = ["sh", "-c", 'exec "$@" 2>&-', "sh", *command]
+    run = subprocess.run(closed, stdout=subprocess.PIPE, text=True, timeout=120, check=False)
+    assert run.returncode == 2 and run.stdout == "", run.stdout
 
 
 def test_a_yardstick_that_cannot_run_is_one_line_before_ours_compile(tmp_path):
