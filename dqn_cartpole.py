@@ -608,10 +608,6 @@ def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int],
     return {name: 2 * 4 * count for name, count in words.items()}, held
 
 
-def bytes_per_seed(config: Config, env, network: QNetwork) -> int:
-    return sum(memory_need(config, env, network)[0].values())
-
-
 def check_memory(terms: dict[str, int], held_bytes: int, num_agents: int) -> None:
     """MemoryError naming the flag to change, before any work: when one seed's training does not
     fit in half a device's free memory (the flag of its largest part), or what all agents hold
@@ -1081,11 +1077,11 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int
 def read_curves(output: Path, summary: dict) -> dict[str, np.ndarray]:
     """curves.csv as arrays [grid points, seeds, evaluations] (NaN for an empty cell)."""
     num_seeds = summary["config"]["num_seeds"]
+    shape = (len(summary.get("grid", [None])), num_seeds, -1)
     with reading(output / "curves.csv") as path, open(path) as file:
         rows = list(csv.DictReader(file))
         if sorted({int(row["seed"]) for row in rows}) != list(range(num_seeds)):  # none, edited
             raise ValueError(f"it does not hold the summary's {num_seeds} seeds")
-        shape = (len(summary.get("grid", [None])), num_seeds, -1)
         number = lambda text: float(text) if text else np.nan  # noqa: E731
         curves = {name: np.array([number(r[name]) for r in rows]).reshape(shape) for name in CURVES}
         if (curves["step"] != curves["step"][:1, :1]).any():  # rows cut off or mixed up

@@ -793,7 +793,8 @@ def plot_run(output: Path) -> None:
         settings = [field.name for field in dataclasses.fields(Config)]
         if missing := [name for name in settings if name not in saved]:
             raise ValueError(f"its config lacks {missing[0]!r}")
-        Config(**{name: tuple(v) if type(v) is list else v for name, v in saved.items()})
+        Config(**{name: tuple(v) if type(v) is list else v for name, v in saved.items()})  # checks
+        shape = (len(summary["grid"]), saved["num_seeds"], -1)  # curves.csv's [grid, seeds, points]
     # Parsed by numpy (a dict per row took ~750 bytes); no rows: our line, not numpy's warning.
     with (
         reading(output / "curves.csv") as path,
@@ -804,7 +805,6 @@ def plot_run(output: Path) -> None:
         values = np.loadtxt(file, delimiter=",", ndmin=2)
         if not values.size:
             raise ValueError("it holds no rows")
-        shape = (len(summary["grid"]), saved["num_seeds"], -1)  # [grid, seeds, points]
         curves = {name: values[:, i].reshape(shape) for i, name in enumerate(names)}
     plot_heatmap(summary, output / "sweep_heatmap.png")
     plot_curves(summary, curves, output / "learning_curves.png")

@@ -154,15 +154,14 @@ def main():
         parser.error(f"--num-agents: must be at least 0, got {args.num_agents}")
 
     train = make_train(args.timesteps)
-    if args.num_agents:
-        fn = jax.jit(jax.vmap(train))
-        keys = jax.eval_shape(lambda: random.split(random.key(0), args.num_agents))
-    else:
-        fn = jax.jit(train)
-        keys = jax.eval_shape(lambda: random.key(0))
-    fn = fn.lower(keys).compile()  # what it holds is known before anything is allocated
+    fn = jax.jit(jax.vmap(train) if args.num_agents else train)
+
+    def make_keys():  # 0 agents: one key, no vmap
+        return random.split(random.key(0), args.num_agents) if args.num_agents else random.key(0)
+
+    fn = fn.lower(jax.eval_shape(make_keys)).compile()  # its memory known before it is allocated
     cli.check_fits(fn, "--num-agents, --timesteps")
-    keys = random.split(random.key(0), args.num_agents) if args.num_agents else random.key(0)
+    keys = make_keys()
     jax.block_until_ready(fn(keys))  # warm up
     start = time.perf_counter()
     _, episodes = jax.block_until_ready(fn(keys))

@@ -156,7 +156,7 @@ def captured(command: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 
 def fail(message: str, status: int = 2) -> None:
-    """One line on stderr (none if it is closed: not on stdout), exit 2: a bad flag."""
+    """One line on stderr (none if it is closed: not on stdout), exit `status` (2: a bad flag)."""
     if sys.stderr is not None:  # None: started with 2>&- (print would write to stdout)
         print(f"{NAME}: error: {message}", file=sys.stderr)
     sys.exit(status)

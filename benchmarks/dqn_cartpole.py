@@ -106,7 +106,9 @@ def main() -> None:
     size = ["--timesteps", str(args.timesteps), "--num-agents", str(args.num_agents)]
     if args.ours:
         return train_ours(args.timesteps, args.num_agents)
-    article_run(args.timesteps, args.num_agents)  # a size ours refuses: one line, before any run
+    # A size ours refuses: one line before any run. Checked for 2 CPU devices, as ours runs there.
+    os.environ |= {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    article_run(args.timesteps, args.num_agents)
 
     yardstick, ours = [sys.executable, str(YARDSTICK), *size], [sys.executable, __file__, "--ours"]
     sides = {  # name: (command, devices, on one core)

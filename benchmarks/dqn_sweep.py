@@ -42,8 +42,8 @@ def timed(argv: list[str], output: Path) -> tuple[float, float]:
         ):
             dqn.main([*argv, "--output-dir", str(output)])
     except SystemExit as stop:  # a size the script refuses: its own line and exit code
-        if lines := quiet.getvalue().strip().splitlines():
-            print(lines[-1], file=sys.stderr)
+        if (lines := quiet.getvalue().strip().splitlines()) and sys.stderr is not None:
+            print(lines[-1], file=sys.stderr)  # (None: started with 2>&-; not on stdout)
         sys.exit(stop.code)
     wall = time.perf_counter() - start
     return json.loads((output / "summary.json").read_text())["train_time_s"], wall

@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
         single_agent_config(args)
         with tempfile.TemporaryFile(dir=args.output_dir):  # os.access lets root "write" to /proc
             pass
-    except pq.ConfigError as error:
+    except pq.ConfigError as error:  # validate made the folder: none left empty
+        pq.remove_if_empty(Path(args.output_dir))
         message = str(error).replace("--num-seeds", "--max-agents")
         cli.fail(message.replace("--total-timesteps", "--agent-steps"))
     except OSError as error:  # after the measurements, they would be lost

@@ -27,7 +27,7 @@ BAD = {  # benchmark and arguments: the flag its one line must name
     # The script's own line (it was two lines, the second the script's, exit 1)
     "two_processes.py parallel_q_learning.py --repeats 1 --num-seeds 0": "--num-seeds",
     "two_processes.py parallel_q_learning.py --output-dir x": "--output-dir",  # was overridden
-    "dqn_cartpole.py --timesteps 2147483648 --repeats 1": "--timesteps",  # the yardstick's line
+    "dqn_cartpole.py --timesteps 2147483648 --repeats 1": "--timesteps",  # ours refuses first
     # Refused before allocating (8 GB of keys, then a traceback or the machine's memory gone)
     "article_q_learning.py --timesteps 100 --num-agents 1000000000": "--num-agents",
     "article_dqn.py --timesteps 100 --num-agents 1000000000": "--num-agents",
@@ -40,7 +40,8 @@ BAD = {  # benchmark and arguments: the flag its one line must name
     # A flag that the other given one ignores (both ran, as if it were not there)
     "dqn_cartpole.py --ours --repeats 2": "--repeats",
     "dqn_time_split.py --profile --repeats 2": "--repeats",
-    # A folder no file can be made in, though os.access says root may (it measured, then failed)
+    # A folder no file can be made in, though os.access says root may (it measured, then failed;
+    # not root: os.access refuses it)
     "parallel_q_learning.py --max-agents 4 --agent-steps 4000 --numpy-steps 200 --repeats 1 "
     "--yardstick-timesteps 100 --yardstick-agents 4 --output-dir /proc": "--output-dir",
     "parallel_q_learning.py --agent-steps 100000000000000000": "--agent-steps",  # int32 steps

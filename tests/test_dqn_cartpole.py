@@ -356,7 +356,7 @@ def test_seeds_get_different_init_and_exploration():
 def bytes_per_seed(config: dqn.Config) -> int:
     env = dqn.CartPole()
     network = dqn.QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
-    return dqn.bytes_per_seed(config, env, network)
+    return sum(dqn.memory_need(config, env, network)[0].values())
 
 
 def test_memory_batches_seeds_when_they_do_not_fit(monkeypatch):
