@@ -828,6 +828,21 @@ def test_seed_i_is_the_same_agent_whatever_num_seeds(tmp_path):
     np.testing.assert_array_equal(tables[3], tables[70])
 
 
+def test_a_negative_seed_runs_end_to_end_as_fold_in_of_its_key(tmp_path):
+    """--seed takes the signed 64-bit range (README); run from the command line, seed i of
+    --seed -3 is train(fold_in(key(-3), i)) run alone, and not --seed 3's agent."""
+    argv = ["--num-seeds", "2", *(f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items())]
+    for seed in ("-3", "3"):
+        qlg.main([*argv, f"--seed={seed}", "--output-dir", str(tmp_path / seed)])
+    saved = {seed: np.load(tmp_path / seed / "q_tables.npy") for seed in ("-3", "3")}
+    assert json.loads((tmp_path / "-3" / "summary.json").read_text())["config"]["seed"] == -3
+    train = jax.jit(qlg.make_train(qlg.Config(**SMALL)))
+    for i in range(2):
+        alone = train(jax.random.fold_in(jax.random.key(-3), i))["q_values"]
+        np.testing.assert_array_equal(saved["-3"][i], np.asarray(alone, np.float32))
+    assert not np.array_equal(saved["-3"], saved["3"])
+
+
 @pytest.mark.parametrize("asked", ["7", "1000000000"])
 def test_too_many_curve_points_is_a_note_naming_the_flag(tmp_path, capsys, asked):
     """More points than blocks make one a block: a note, and the memory of those only (a
