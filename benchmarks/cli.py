@@ -1,6 +1,7 @@
 """What the benchmarks' command lines share: counts that must be at least 1, and a bad one is
 one line naming its flag (as in the three scripts), not a traceback after minutes of runs; and
-a Ctrl-C, SIGTERM or SIGHUP that is one line, exit 128 + the signal, wherever it lands (run)."""
+a Ctrl-C, SIGTERM or SIGHUP that is one line, exit 128 + the signal, wherever it lands (run).
+Also the article's DQN settings, at which two benchmarks run ours (ARTICLE_DQN)."""
 
 import argparse
 import contextlib
@@ -12,6 +13,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+# dqn_cartpole.py's Config at the yardstick's settings (benchmarks/dqn_cartpole.py says which):
+# benchmarks/dqn_cartpole.py times ours there, dqn_time_split.py splits its step.
+ARTICLE_DQN = {
+    "hidden_sizes": (64, 64, 64), "batch_size": 32, "buffer_size": 512, "train_frequency": 1,
+    "learning_starts": 0, "target_update_interval": 10, "tau": 1.0, "gamma": 0.9,
+    "learning_rate": 1e-3, "anneal_lr": False, "double_dqn": False, "layer_norm": False,
+    "eval_episodes": 1,
+}  # fmt: skip
 # The name in every line a benchmark prints about itself: benchmarks/dqn_cartpole.py is not the
 # script dqn_cartpole.py.
 NAME = f"benchmarks/{Path(sys.argv[0]).name}"

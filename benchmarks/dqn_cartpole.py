@@ -37,24 +37,9 @@ def article_run(timesteps: int, num_agents: int):
     env = dqn.CartPole()
     try:
         config = dataclasses.replace(
-            dqn.Config(),
-            total_timesteps=timesteps,
-            eval_every=timesteps,
-            num_seeds=num_agents,
-            hidden_sizes=(64, 64, 64),
-            batch_size=32,
-            buffer_size=512,
-            train_frequency=1,
-            learning_starts=0,
-            target_update_interval=10,
-            tau=1.0,
-            gamma=0.9,
-            learning_rate=1e-3,
-            anneal_lr=False,
-            double_dqn=False,
-            layer_norm=False,
-            eval_episodes=1,
-        )
+            dqn.Config(), total_timesteps=timesteps, eval_every=timesteps, num_seeds=num_agents,
+            **cli.ARTICLE_DQN,
+        )  # fmt: skip
         network = dqn.QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
         terms, held_bytes = dqn.memory_need(config, env, network)
         dqn.check_memory(terms, held_bytes, num_agents)

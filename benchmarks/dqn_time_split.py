@@ -50,22 +50,7 @@ import dqn_cartpole as dqn  # noqa: E402
 def parts(steps: int) -> dict:
     """name -> function of one key, each running `steps` steps of one agent."""
     config = dataclasses.replace(
-        dqn.Config(),
-        total_timesteps=steps,
-        eval_every=steps,
-        hidden_sizes=(64, 64, 64),
-        batch_size=32,
-        buffer_size=512,
-        train_frequency=1,
-        learning_starts=0,
-        target_update_interval=10,
-        tau=1.0,
-        gamma=0.9,
-        learning_rate=1e-3,
-        anneal_lr=False,
-        double_dqn=False,
-        layer_norm=False,
-        eval_episodes=1,
+        dqn.Config(), total_timesteps=steps, eval_every=steps, **cli.ARTICLE_DQN
     )
     env, network = dqn.CartPole(), dqn.QNetwork(config.hidden_sizes, 2, False)
     optimizer = optax.chain(optax.clip_by_global_norm(10.0), optax.adam(1e-3))
