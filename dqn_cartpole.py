@@ -1738,9 +1738,13 @@ TO_REPLACE = set()  # folders whose previous run (--overwrite) this run has not 
 def writing(folder: Path):
     """The context of a run's writes into its folder. The first replaces a previous run there
     (--overwrite), which stays as it was until then: a run that ends before it saves anything
-    (an error, Ctrl-C twice, a kill) leaves it."""
+    (an error, Ctrl-C twice, a kill) leaves it. Files a previous run set aside as it replaced
+    this one, and a kill kept there (replacing), go once this run writes: --resume of a run
+    killed just after its first checkpoint."""
     if folder not in TO_REPLACE:
         yield
+        for name in RUN_NAMES:
+            set_aside(folder / name).unlink(missing_ok=True)
         return
     with replacing(folder):
         yield

@@ -1515,6 +1515,12 @@ def test_overwrite_keeps_the_previous_run_until_the_new_one_saves(tmp_path, monk
     with pytest.raises(KeyboardInterrupt):
         dqn.main([*argv, "500"])
     assert [path.name for path in folder.iterdir()] == [dqn.CHECKPOINT] and not dqn.TO_REPLACE
+    for name in previous:  # a kill before replacing removed the replaced run: left, hidden
+        dqn.set_aside(folder / name).write_text(previous[name])
+    stop_after = 0  # --resume goes on to the end: the replaced run's files go as it writes
+    dqn.main(["--resume", str(folder)])
+    assert sorted(path.name for path in folder.iterdir()) == sorted(previous)
+    assert json.loads((folder / "summary.json").read_text())["steps_done"] == 1_000
     stop_after = 0  # to the end, where the figure cannot be written: the data stay
     monkeypatch.setattr(dqn, "plot_run", lambda output: sys.exit("cannot write the figure"))
     with pytest.raises(SystemExit):
