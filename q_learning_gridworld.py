@@ -847,6 +847,10 @@ def run_folder(template: str, overwrite: bool) -> str:
     if "{time}" in template:
         if ".." in Path(template).parts:  # {time}/.. names a folder that exists: never new
             raise ValueError(f"--output-dir {template}: '..' and {{time}} together are refused")
+        if overwrite:  # a flag that would do nothing
+            raise ValueError(
+                f"--overwrite: nothing to replace in --output-dir {template}, new each run"
+            )
         return template
     try:
         held = sorted(Path(template).iterdir())

@@ -43,6 +43,8 @@ def test_runs_started_in_the_same_second_get_their_own_folders(script, tmp_path,
     for template in ("run_{time}/..", "run_{time}/../x"):  # names that would never be new
         with pytest.raises(ValueError, match="'..' and {time} together"):
             script.run_folder(str(tmp_path / template), overwrite=False)
+    with pytest.raises(ValueError, match="^--overwrite: nothing to replace in"):  # was ignored
+        script.run_folder(str(tmp_path / "run_{time}"), overwrite=True)
 
 
 def test_a_folder_name_the_os_refuses_leaves_no_parent_folder_behind(script, tmp_path):
