@@ -837,6 +837,11 @@ def ranked(results: list[dict]) -> list[int]:
     )
 
 
+def jax_settings() -> dict:
+    """What else gives a run other bits: XLA's flags (this script sets some), 64-bit mode."""
+    return {"XLA_FLAGS": os.environ.get("XLA_FLAGS"), "x64": jax.config.jax_enable_x64}
+
+
 def summarize(config: Config, environment: dict, points: list, results: list, **extra) -> dict:
     """summary.json (or load_summary.json): the run, the machine, the scores; a sweep's scores
     per grid point under "grid", in grid order."""
@@ -846,6 +851,7 @@ def summarize(config: Config, environment: dict, points: list, results: list, **
         "config": dataclasses.asdict(config),
         "environment": environment,
         "versions": {"python": platform.python_version(), **versions},
+        "jax_settings": jax_settings(),
         "devices": [str(d) for d in jax.devices()],
         **extra,
     }

@@ -654,6 +654,11 @@ def mean_ci(values: np.ndarray) -> dict:
     return {"mean": float(mean), "ci95": [float(mean - half), float(mean + half)]}
 
 
+def jax_settings() -> dict:
+    """What else gives a run other bits: XLA's flags (this script sets some), 64-bit mode."""
+    return {"XLA_FLAGS": os.environ.get("XLA_FLAGS"), "x64": jax.config.jax_enable_x64}
+
+
 def versions() -> dict:
     packages = ("jax", "jaxlib", "numpy", "matplotlib")
     return {"python": platform.python_version()} | {p: metadata.version(p) for p in packages}
@@ -1355,6 +1360,7 @@ def main(argv: list[str] | None = None) -> None:
         summary = {
             "config": dataclasses.asdict(config),
             "versions": versions(),
+            "jax_settings": jax_settings(),
             "devices": [f"{d.platform}:{d.id} {d.device_kind}" for d in jax.devices()],
             "num_agents": num_agents,
             "chunks_per_device": chunks,  # run one after another, each a make_sweep call

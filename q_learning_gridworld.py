@@ -522,9 +522,14 @@ def greedy_path(env: GridWorld, q: np.ndarray) -> list[int] | None:
     return None
 
 
+def jax_settings() -> dict:
+    """What else gives a run other bits: XLA's flags (this script sets some), 64-bit mode."""
+    return {"XLA_FLAGS": os.environ.get("XLA_FLAGS"), "x64": jax.config.jax_enable_x64}
+
+
 def summarize(config: Config, env: GridWorld, q_values: np.ndarray, timings: dict) -> dict:
-    """summary.json: config, versions, timings, speed, and per seed the greedy path length
-    from S against the shortest, and V(S) against V*(S) from value iteration."""
+    """summary.json: config, versions, JAX settings, timings, speed, and per seed the greedy
+    path length from S against the shortest, and V(S) against V*(S) from value iteration."""
     v_star = float(value_iteration(env, config.gamma)[env.map.start].max())
     seeds = []
     for seed_index, q in enumerate(q_values.reshape(len(q_values), env.num_cells, NUM_ACTIONS)):
@@ -544,6 +549,7 @@ def summarize(config: Config, env: GridWorld, q_values: np.ndarray, timings: dic
     return {
         "config": dataclasses.asdict(config),
         "versions": versions,
+        "jax_settings": jax_settings(),
         **timings,
         "agent_steps_per_s": config.num_seeds * config.total_timesteps / timings["train_time_s"],
         "optimal_seeds": sum(s["greedy_path_length"] == s["shortest_path_length"] for s in seeds),

@@ -573,6 +573,7 @@ def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_
     ):
         assert key in summary
     assert summary["seeds_padded_to"] == 64 and len(summary["devices"]) == 2
+    assert summary["jax_settings"] == {"XLA_FLAGS": os.environ["XLA_FLAGS"], "x64": False}
     np.testing.assert_allclose(
         summary["final_eval_return"], vmapped_out["metrics"]["eval_return"][:, -1], atol=1e-4
     )
