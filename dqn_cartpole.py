@@ -837,9 +837,14 @@ def ranked(results: list[dict]) -> list[int]:
     )
 
 
+XLA_FLAGS = os.environ.get("XLA_FLAGS")  # as this script, imported, set them for JAX
+
+
 def jax_settings() -> dict:
-    """What else gives a run other bits: XLA's flags (this script sets some), 64-bit mode."""
-    return {"XLA_FLAGS": os.environ.get("XLA_FLAGS"), "x64": jax.config.jax_enable_x64}
+    """What else gives a run other bits: XLA's flags as JAX started with them (unless it had
+    started before this script was imported), and JAX's switches of that kind."""
+    names = ("jax_enable_x64", "jax_threefry_partitionable", "jax_default_matmul_precision")
+    return {"XLA_FLAGS": XLA_FLAGS} | {name: getattr(jax.config, name) for name in names}
 
 
 def summarize(config: Config, environment: dict, points: list, results: list, **extra) -> dict:
@@ -1024,6 +1029,12 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int
     if not Path(folder).is_dir():
         raise ValueError(f"--resume {folder}: no such folder" if not Path(folder).exists() else
                          f"--resume {folder}: not a folder")  # fmt: skip
+    aside = set_aside(Path(folder) / CHECKPOINT)  # --overwrite's, killed as it replaced this run
+    if not (Path(folder) / CHECKPOINT).exists() and aside.exists():
+        raise ValueError(
+            f"--resume {folder}: no {CHECKPOINT}, but {aside.name}, which a run killed as it "
+            "replaced this one set aside: rename it to go on"
+        )
     if (Path(folder) / "summary.json").exists() and not (Path(folder) / CHECKPOINT).exists():
         try:  # another script's run, say
             saved_config(json.loads((Path(folder) / "summary.json").read_text())["config"])
@@ -1035,12 +1046,6 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int
             f"--resume {folder}: its run has ended (only a stopped run has a checkpoint)"
         )
     if not (Path(folder) / CHECKPOINT).exists():
-        aside = set_aside(Path(folder) / CHECKPOINT)  # --overwrite's, killed as it first wrote
-        if aside.exists():
-            raise ValueError(
-                f"--resume {folder}: no {CHECKPOINT}, but {aside.name}, which a run killed as it "
-                "replaced this one set aside: rename it to go on"
-            )
         raise ValueError(f"--resume {folder}: no {CHECKPOINT} in it (a stopped run saves one)")
     try:
         if not zipfile.is_zipfile(Path(folder) / CHECKPOINT):  # np.load would try a pickle
@@ -1748,13 +1753,9 @@ TO_REPLACE = set()  # folders whose previous run (--overwrite) this run has not 
 def writing(folder: Path):
     """The context of a run's writes into its folder. The first replaces a previous run there
     (--overwrite), which stays as it was until then: a run that ends before it saves anything
-    (an error, Ctrl-C twice, a kill) leaves it. Files a previous run set aside as it replaced
-    this one, and a kill kept there (replacing), go once this run writes: --resume of a run
-    killed just after its first checkpoint."""
+    (an error, Ctrl-C twice, a kill) leaves it."""
     if folder not in TO_REPLACE:
         yield
-        for name in RUN_NAMES:
-            set_aside(folder / name).unlink(missing_ok=True)
         return
     with replacing(folder):
         yield
@@ -1890,6 +1891,9 @@ def main(argv: list[str] | None = None) -> None:
             held = any(path.exists() for path in ours)  # a run's files, or what a crash left
             if args.overwrite and held and output.resolve() not in kept:  # a loaded or resumed
                 TO_REPLACE.add(output)  # run keeps its files
+            if args.resume:  # killed just after its first checkpoint under --overwrite, it left
+                for name in RUN_NAMES:  # the run it replaced set aside: those files go now
+                    set_aside(output / name).unlink(missing_ok=True)
     except (ValueError, MemoryError, OSError) as error:
         print(f"dqn_cartpole.py: error: {error}", file=sys.stderr)
         sys.exit(2)

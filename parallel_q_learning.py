@@ -654,9 +654,14 @@ def mean_ci(values: np.ndarray) -> dict:
     return {"mean": float(mean), "ci95": [float(mean - half), float(mean + half)]}
 
 
+XLA_FLAGS = os.environ.get("XLA_FLAGS")  # as this script, imported, set them for JAX
+
+
 def jax_settings() -> dict:
-    """What else gives a run other bits: XLA's flags (this script sets some), 64-bit mode."""
-    return {"XLA_FLAGS": os.environ.get("XLA_FLAGS"), "x64": jax.config.jax_enable_x64}
+    """What else gives a run other bits: XLA's flags as JAX started with them (unless it had
+    started before this script was imported), and JAX's switches of that kind."""
+    names = ("jax_enable_x64", "jax_threefry_partitionable", "jax_default_matmul_precision")
+    return {"XLA_FLAGS": XLA_FLAGS} | {name: getattr(jax.config, name) for name in names}
 
 
 def versions() -> dict:

@@ -522,9 +522,14 @@ def greedy_path(env: GridWorld, q: np.ndarray) -> list[int] | None:
     return None
 
 
+XLA_FLAGS = os.environ.get("XLA_FLAGS")  # as this script, imported, set them for JAX
+
+
 def jax_settings() -> dict:
-    """What else gives a run other bits: XLA's flags (this script sets some), 64-bit mode."""
-    return {"XLA_FLAGS": os.environ.get("XLA_FLAGS"), "x64": jax.config.jax_enable_x64}
+    """What else gives a run other bits: XLA's flags as JAX started with them (unless it had
+    started before this script was imported), and JAX's switches of that kind."""
+    names = ("jax_enable_x64", "jax_threefry_partitionable", "jax_default_matmul_precision")
+    return {"XLA_FLAGS": XLA_FLAGS} | {name: getattr(jax.config, name) for name in names}
 
 
 def summarize(config: Config, env: GridWorld, q_values: np.ndarray, timings: dict) -> dict:

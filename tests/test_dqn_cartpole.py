@@ -573,7 +573,7 @@ def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_
     ):
         assert key in summary
     assert summary["seeds_padded_to"] == 64 and len(summary["devices"]) == 2
-    assert summary["jax_settings"] == {"XLA_FLAGS": os.environ["XLA_FLAGS"], "x64": False}
+    assert summary["jax_settings"]["XLA_FLAGS"] == os.environ["XLA_FLAGS"]
     np.testing.assert_allclose(
         summary["final_eval_return"], vmapped_out["metrics"]["eval_return"][:, -1], atol=1e-4
     )
@@ -1516,13 +1516,14 @@ def test_overwrite_keeps_the_previous_run_until_the_new_one_saves(tmp_path, monk
     with pytest.raises(KeyboardInterrupt):
         dqn.main([*argv, "500"])
     assert [path.name for path in folder.iterdir()] == [dqn.CHECKPOINT] and not dqn.TO_REPLACE
-    for name in previous:  # a kill before replacing removed the replaced run: left, hidden
+    # Killed after that checkpoint, before it removed the previous run's files it set aside:
+    for name in previous:
         dqn.set_aside(folder / name).write_text(previous[name])
-    stop_after = 0  # --resume goes on to the end: the replaced run's files go as it writes
+    stop_after = 0  # a --resume of it removes them, and goes on to the end
     dqn.main(["--resume", str(folder)])
     assert sorted(path.name for path in folder.iterdir()) == sorted(previous)
     assert json.loads((folder / "summary.json").read_text())["steps_done"] == 1_000
-    stop_after = 0  # to the end, where the figure cannot be written: the data stay
+    # to the end, where the figure cannot be written: the data stay
     monkeypatch.setattr(dqn, "plot_run", lambda output: sys.exit("cannot write the figure"))
     with pytest.raises(SystemExit):
         dqn.main([*argv, "0"])
@@ -1639,5 +1640,8 @@ def test_a_checkpoint_that_does_not_hold_together_is_one_line(tmp_path):
         dqn.load_checkpoint(str(tmp_path))
     # A run killed as --overwrite first wrote over this one: its checkpoint is set aside.
     (tmp_path / dqn.CHECKPOINT).rename(dqn.set_aside(tmp_path / dqn.CHECKPOINT))
+    with pytest.raises(ValueError, match="no checkpoint.npz, but .checkpoint.old.npz, which a run"):
+        dqn.load_checkpoint(str(tmp_path))
+    (tmp_path / "summary.json").write_text("{}")  # put back before the kill: not "it has ended"
     with pytest.raises(ValueError, match="no checkpoint.npz, but .checkpoint.old.npz, which a run"):
         dqn.load_checkpoint(str(tmp_path))

@@ -214,6 +214,16 @@ def test_replot_of_a_damaged_run_is_one_line(script, tmp_path, capsys):
     assert exit_info.value.code == 2 and len(err) == 1 and "--replot" in err[0], err
 
 
+def test_the_summary_records_the_xla_flags_jax_started_with(script, monkeypatch):
+    """Read from the environment as the summary was written, a change made after JAX started
+    (a notebook's) was recorded as if the run had had it."""
+    started_with = os.environ["XLA_FLAGS"]  # conftest's, before the scripts were imported
+    monkeypatch.setenv("XLA_FLAGS", "--xla_set_after_jax_started")
+    settings = script.jax_settings()
+    assert settings["XLA_FLAGS"] == started_with and settings["jax_enable_x64"] is False
+    assert settings["jax_threefry_partitionable"] == jax.config.jax_threefry_partitionable
+
+
 def test_replot_names_a_damaged_summary_and_a_setting_it_lacks(script, tmp_path, capsys):
     """A damaged summary.json was `cannot redraw (KeyError: 'config')`, naming no file; one whose
     config lacked a setting was drawn, in the gridworld, with the default in its place (which
