@@ -1616,6 +1616,8 @@ def parse_command(argv: list[str] | None):
     ):
         if getattr(args, name[2:]) and (rest := [f for f in others if f not in (name, *free)]):
             raise ValueError(f"{name} {what} as it was saved; leave out {rest[0]}")
+    if args.load and args.overwrite and args.output_dir is None:  # a flag that would do nothing
+        raise ValueError("--overwrite: --load writes into the run's folder, and replaces nothing")
     if args.resume:  # the run's own threshold and checkpoint cadence too, unless given
         config, points, args.solved_return, start, every = load_checkpoint(args.resume)
         args.checkpoint_every = every if args.checkpoint_every is None else args.checkpoint_every

@@ -1580,6 +1580,7 @@ def test_resume_and_replot_refuse_other_flags_and_a_folder_without_a_checkpoint(
         # one at its default value too (it was let through, and ignored)
         (["--replot", str(tmp_path), "--cluster-timeout", "60"], "leave out --cluster-timeout"),
         (["--resume", str(tmp_path), "--solved-return", "100"], "leave out --solved-return"),
+        (["--load", str(tmp_path), "--overwrite"], "--overwrite: --load writes into the run's"),
         # how often to save, and a cluster's flags, are this command's: on to the checkpoint
         (["--resume", str(tmp_path), "--checkpoint-every", "7"], "no checkpoint.npz in it"),
         (["--resume", str(tmp_path / "finished")], "its run has ended"),
