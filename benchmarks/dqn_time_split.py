@@ -53,17 +53,18 @@ def parts(steps: int) -> dict:
         dqn.Config(), total_timesteps=steps, eval_every=steps, **cli.ARTICLE_DQN
     )
     env, network = dqn.CartPole(), dqn.QNetwork(config.hidden_sizes, 2, False)
-    optimizer = optax.chain(optax.clip_by_global_norm(10.0), optax.adam(1e-3))
+    clip, adam = optax.clip_by_global_norm(config.max_grad_norm), optax.adam(config.learning_rate)
+    optimizer, size, gamma = optax.chain(clip, adam), config.batch_size, config.gamma
+    ones = jnp.ones((size, 4))  # one batch, made noisy by each step's key
+    batch = dqn.Transition(ones, jnp.zeros(size, jnp.int32), ones[:, 0], ones, ones[:, 0] < 0)
 
     def update_only(key):
         params = network.init(key, jnp.zeros(4))
-        ones = jnp.ones((32, 4))
-        batch = dqn.Transition(ones, jnp.zeros(32, jnp.int32), ones[:, 0], ones, ones[:, 0] < 0)
 
         def body(carry, key):
             params, opt_state = carry
-            noisy = batch._replace(obs=batch.obs + jax.random.normal(key, (32, 4)))
-            grads = jax.grad(dqn.dqn_loss)(params, params, network.apply, noisy, 0.9, False)
+            noisy = batch._replace(obs=batch.obs + jax.random.normal(key, (size, 4)))
+            grads = jax.grad(dqn.dqn_loss)(params, params, network.apply, noisy, gamma, False)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), None
 
@@ -72,13 +73,11 @@ def parts(steps: int) -> dict:
 
     def gradient_only(key):  # the update without clipping and Adam: a plain SGD step
         params = network.init(key, jnp.zeros(4))
-        ones = jnp.ones((32, 4))
-        batch = dqn.Transition(ones, jnp.zeros(32, jnp.int32), ones[:, 0], ones, ones[:, 0] < 0)
 
         def body(params, key):
-            noisy = batch._replace(obs=batch.obs + jax.random.normal(key, (32, 4)))
-            grads = jax.grad(dqn.dqn_loss)(params, params, network.apply, noisy, 0.9, False)
-            return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), None
+            noisy = batch._replace(obs=batch.obs + jax.random.normal(key, (size, 4)))
+            grads = jax.grad(dqn.dqn_loss)(params, params, network.apply, noisy, gamma, False)
+            return jax.tree.map(lambda p, g: p - config.learning_rate * g, params, grads), None
 
         return jax.lax.scan(body, params, jax.random.split(key, steps))[0]
 
@@ -86,14 +85,14 @@ def parts(steps: int) -> dict:
         params = network.init(key, jnp.zeros(4))
 
         def body(total, key):
-            obs = jax.random.normal(key, (2, 32, 4))
+            obs = jax.random.normal(key, (2, size, 4))
             return total + network.apply(params, obs).sum(), None  # [2, batch, actions]
 
         return jax.lax.scan(body, 0.0, jax.random.split(key, steps))[0]
 
     def product(equation: str):  # one 64x64 layer's matrix product on a batch of 32
         def run(key):
-            x, w = jax.random.normal(key, (32, 64)), jax.random.normal(key, (64, 64))
+            x, w = jax.random.normal(key, (size, 64)), jax.random.normal(key, (64, 64))
 
             def body(x, _):  # x changes every step: XLA cannot hoist the product out
                 if equation == "ib,bj->ij":  # x^T dy on a copy of x^T, as dqn_cartpole.matmul
@@ -125,12 +124,11 @@ def parts(steps: int) -> dict:
 
     def yardstick_update_only(key):  # the same batch through the yardstick's update
         params = article.model.init(key, jnp.zeros(4))
-        ones = jnp.ones((32, 4))
 
         def body(carry, key):
             params, opt_state = carry
-            noisy = ones + jax.random.normal(key, (32, 4))
-            batch = (noisy, jnp.zeros(32, jnp.int32), ones[:, 0], ones, jnp.zeros(32))
+            noisy = ones + jax.random.normal(key, (size, 4))
+            batch = (noisy, jnp.zeros(size, jnp.int32), ones[:, 0], ones, jnp.zeros(size))
             params, opt_state, _ = article.update(params, params, opt_state, batch)
             return (params, opt_state), None
 
