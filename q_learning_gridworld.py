@@ -53,7 +53,7 @@ class Config:
     output_dir: str = option("runs/q_learning_gridworld_{time}", "run folder; {time}: its start")
     max_episode_steps: int = option(0, "truncate an episode after this many steps (0: never)")
     # Large: one jax.random.bits call has a fixed cost, spread over many steps (README). Another
-    # size cuts the random stream elsewhere: other draws. check_memory counts 24 B a step a seed.
+    # size cuts the random stream elsewhere: other draws.
     steps_per_block: int = option(100_000, "steps whose random numbers are drawn in one call")
     num_curve_points: int = option(10, "points on the learning curve (at most one per block)")
     num_recorded_episodes: int = option(500, "the first episodes whose lengths are recorded")
@@ -247,7 +247,7 @@ class StepCarry(NamedTuple):
 class BlockCarry(NamedTuple):
     step: StepCarry
     curve: EpisodeStats  # [num_points] each: the learning curve being filled in
-    rng: jax.Array
+    key: jax.Array
 
 
 def make_train(config: Config, env: GridWorld | None = None):
@@ -260,7 +260,7 @@ def make_train(config: Config, env: GridWorld | None = None):
     # memory for metrics does not grow with total_timesteps.
     num_points = min(config.num_curve_points, num_blocks)
     point_of_block = (np.arange(num_blocks) * num_points // num_blocks).astype(np.int32)
-    blocks_done = np.searchsorted(point_of_block, np.arange(num_points), "right")  # [num_points]
+    blocks_done = np.bincount(point_of_block).cumsum()  # [num_points] blocks done at each point
     steps_done = np.minimum(blocks_done * config.steps_per_block, config.total_timesteps)
     threshold = explore_threshold(config.epsilon)
 
@@ -290,8 +290,8 @@ def make_train(config: Config, env: GridWorld | None = None):
 
     def run_block(steps: int, carry: BlockCarry, point: jax.Array) -> tuple[BlockCarry, None]:
         """`steps` steps, their randomness drawn in one call, their stats to curve `point`."""
-        rng, block_rng = jax.random.split(carry.rng)
-        bits = jax.random.bits(block_rng, (steps,), jnp.uint32)  # [steps]
+        key, block_key = jax.random.split(carry.key)
+        bits = jax.random.bits(block_key, (steps,), jnp.uint32)  # [steps]
         before = carry.step
         # No unroll on purpose: unrolling this scan made it slower on CPU (measured: see README).
         after, _ = jax.lax.scan(agent_env_step, before, bits)
@@ -305,7 +305,7 @@ def make_train(config: Config, env: GridWorld | None = None):
             return_sum=after.goals - before.goals,
         )
         curve = jax.tree.map(lambda c, s: c.at[point].add(s), carry.curve, stats)
-        return BlockCarry(step=after, curve=curve, rng=rng), None
+        return BlockCarry(step=after, curve=curve, key=key), None
 
     def train(rng: jax.Array) -> dict:
         obs, env_state = env.reset(None)  # key=None: every episode starts at S
@@ -322,13 +322,13 @@ def make_train(config: Config, env: GridWorld | None = None):
             length_sum=jnp.zeros(num_points, jnp.int32),
             return_sum=jnp.zeros(num_points, jnp.int32),
         )
-        carry = BlockCarry(step=step, curve=curve, rng=rng)
+        carry = BlockCarry(step=step, curve=curve, key=rng)
         whole_blocks = functools.partial(run_block, config.steps_per_block)
         carry, _ = jax.lax.scan(whole_blocks, carry, point_of_block[:full_blocks])
         if rest:
             carry, _ = run_block(rest, carry, point_of_block[-1])
         curve = carry.curve  # [num_points] each
-        ended = jnp.maximum(curve.episodes, 1)  # no 0/0: the mean is NaN where none ended
+        ended = curve.episodes > 0  # elsewhere the means are NaN, not 0
         return {
             "q_values": carry.step.q.reshape(env.rows, env.cols, NUM_ACTIONS),
             "metrics": {
@@ -338,10 +338,8 @@ def make_train(config: Config, env: GridWorld | None = None):
                 # the episodes that ended in its stretch of training
                 "timestep": jnp.asarray(steps_done, jnp.int32),
                 "episodes": curve.episodes,
-                "mean_episode_length": jnp.where(
-                    curve.episodes > 0, curve.length_sum / ended, jnp.nan
-                ),
-                "mean_return": jnp.where(curve.episodes > 0, curve.return_sum / ended, jnp.nan),
+                "mean_episode_length": jnp.where(ended, curve.length_sum / curve.episodes, jnp.nan),
+                "mean_return": jnp.where(ended, curve.return_sum / curve.episodes, jnp.nan),
             },
         }
 
