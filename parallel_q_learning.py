@@ -202,15 +202,15 @@ def make_env(layout: str, max_episode_steps: int = 0) -> GridWorld:
 
 # Each step gets one uint32 from jax.random.bits, split into two 16-bit fields: one draw a step,
 # not a float and an integer, and a block's words in one call (README).
-LOW_BITS = 16
-LOW_MASK = (1 << LOW_BITS) - 1
+RANDOM_FIELD_BITS = 16
+RANDOM_FIELD_MASK = (1 << RANDOM_FIELD_BITS) - 1
 
 
-def epsilon_threshold(epsilon: jax.Array | float) -> jax.Array:
+def explore_threshold(epsilon: jax.Array | float) -> jax.Array:
     """epsilon in [0, 1] -> the count of 16-bit values below which a step explores.
 
     epsilon is thereby rounded to a multiple of 2^-16; epsilon = 1 gives 2^16: always."""
-    return jnp.round(jnp.asarray(epsilon) * (1 << LOW_BITS)).astype(jnp.uint32)
+    return jnp.round(jnp.asarray(epsilon) * (1 << RANDOM_FIELD_BITS)).astype(jnp.uint32)
 
 
 def epsilon_greedy(q_s: jax.Array, bits: jax.Array, threshold: jax.Array) -> jax.Array:
@@ -219,10 +219,10 @@ def epsilon_greedy(q_s: jax.Array, bits: jax.Array, threshold: jax.Array) -> jax
     Low 16 bits: explore or not. High 16 bits: a uniform pick among the candidates, which
     are all actions when exploring and the maximal ones otherwise (uniform tie-breaks: with a
     zero-initialised table 'first maximum' would always walk right)."""
-    explore = (bits & LOW_MASK) < threshold
+    explore = (bits & RANDOM_FIELD_MASK) < threshold
     candidates = explore | (q_s == q_s.max())  # [actions] bool
-    num_candidates = candidates.sum().astype(jnp.uint32)
-    pick = ((bits >> LOW_BITS) * num_candidates) >> LOW_BITS  # uniform in [0, num_candidates)
+    count = candidates.sum().astype(jnp.uint32)
+    pick = ((bits >> RANDOM_FIELD_BITS) * count) >> RANDOM_FIELD_BITS  # uniform in [0, count)
     # The pick-th candidate is the number of positions whose running count is still <= pick.
     return jnp.sum(jnp.cumsum(candidates) <= pick.astype(jnp.int32))
 
@@ -311,7 +311,7 @@ def make_train(
     schedule = schedule or make_schedule(config)
 
     def train(rng: jax.Array, hparams: HParams) -> TrainResult:
-        threshold = epsilon_threshold(hparams.epsilon)
+        threshold = explore_threshold(hparams.epsilon)
 
         def agent_step(carry: Carry, bits: jax.Array) -> tuple[Carry, None]:
             action = epsilon_greedy(carry.q[carry.obs], bits, threshold)
@@ -329,7 +329,7 @@ def make_train(
         def run_block(steps: int, carry: Carry, _) -> tuple[Carry, None]:
             key, block_key = jax.random.split(carry.key)
             # All randomness of the block at once: a key split per step costs more than the
-            # Q-learning. No unroll: unrolling the gridworld's same loop made it 7x slower (README).
+            # Q-learning. No unroll: unrolling the gridworld's same scan made it slower (README).
             bits = jax.random.bits(block_key, (steps,), jnp.uint32)
             carry, _ = lax.scan(agent_step, carry._replace(key=key), bits)
             return carry, None
@@ -350,7 +350,7 @@ def make_train(
 
         obs, env_state = env.reset(None)
         carry = Carry(
-            q=jnp.zeros((env.num_cells, NUM_ACTIONS), jnp.float32),
+            q=jnp.zeros((env.num_cells, NUM_ACTIONS), jnp.float32),  # the article's start: 0
             env_state=env_state,
             obs=obs,
             episodes=jnp.int32(0),

@@ -330,12 +330,12 @@ def test_episodes_count_those_the_time_limit_ends_too():
 
 
 def test_epsilon_greedy_breaks_ties_uniformly_and_explores():
-    high = jnp.arange(1 << 16, dtype=jnp.uint32) << pq.LOW_BITS  # every value of the high field
+    high = jnp.arange(1 << 16, dtype=jnp.uint32) << pq.RANDOM_FIELD_BITS  # every high field
     q_s = jnp.array([0.0, 1.0, 0.0, 1.0])
     pick = jax.vmap(pq.epsilon_greedy, in_axes=(None, 0, None))
-    greedy = np.bincount(np.asarray(pick(q_s, high, pq.epsilon_threshold(0.0))), minlength=4)
+    greedy = np.bincount(np.asarray(pick(q_s, high, pq.explore_threshold(0.0))), minlength=4)
     assert greedy[0] == greedy[2] == 0 and greedy[1] == greedy[3] == 1 << 15
-    explore = np.bincount(np.asarray(pick(q_s, high, pq.epsilon_threshold(1.0))), minlength=4)
+    explore = np.bincount(np.asarray(pick(q_s, high, pq.explore_threshold(1.0))), minlength=4)
     np.testing.assert_array_equal(explore, [1 << 14] * 4)
 
 
