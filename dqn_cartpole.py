@@ -1,4 +1,4 @@
-"""DQN on CartPole-v1 or any gymnax env, many seeds at once in one compiled call (PureJaxRL style).
+"""DQN on CartPole-v1 or a discrete-action gymnax env: many seeds in one call (PureJaxRL style).
 
     python dqn_cartpole.py --num-seeds 512                     # train 512 independent agents
     python dqn_cartpole.py --load runs/dqn_cartpole_<time> --render   # re-evaluate, a GIF
@@ -192,8 +192,8 @@ class CartPole:
 @jax.custom_gradient
 def matmul(x: jax.Array, kernel: jax.Array):
     """x @ kernel in full float32, not TF32 (a GPU's default; it solved fewer seeds). Its backward
-    takes x^T dy from a copy of x^T that the barrier keeps XLA from folding back: ~2x faster on a
-    CPU (README). Reverse mode only (no jax.jvp). QNetwork's Dense passes it x and kernel only."""
+    takes x^T dy from a copy of x^T that the barrier keeps XLA from folding back: faster on a CPU
+    (README). Reverse mode only (no jax.jvp). QNetwork's Dense passes it x and kernel only."""
 
     def backward(dy: jax.Array):
         x_t = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)
@@ -387,7 +387,7 @@ def make_blocks(config: Config, env, network: QNetwork):
         return carry, {**stats, "loss": loss, "updated": updated}
 
     def run_block(hp: HParams, steps: int, carry: Carry, block) -> tuple[Carry, dict]:
-        # One split per block: all the randomness of its steps drawn at once.
+        # One split per block: the act, env and sample keys of all its steps, made at once.
         key, step_key, eval_key = jax.random.split(carry.key, 3)
         xs = (block * config.eval_every + jnp.arange(steps), jax.random.split(step_key, (steps, 3)))
         carry, info = jax.lax.scan(partial(step, hp), carry._replace(key=key), xs)
@@ -405,7 +405,7 @@ def make_blocks(config: Config, env, network: QNetwork):
         return jax.lax.scan(partial(run_block, hp, steps), carry, blocks)
 
     def init(key: jax.Array, hp: HParams) -> tuple[Carry, dict]:
-        key, init_key, reset_key = jax.random.split(key, 3)
+        key, init_key, reset_key, eval_key = jax.random.split(key, 4)
         obs, env_state = env.reset(reset_key)
         params = network.init(init_key, obs)
         carry = Carry(
@@ -418,8 +418,8 @@ def make_blocks(config: Config, env, network: QNetwork):
             episode_return=jnp.float32(0.0),
             key=key,
         )
-        # The curves start at step 0, with the untrained network, on a key no other draw uses.
-        returns = greedy_episodes(jax.random.fold_in(init_key, 1), params, env, network, num_eval)
+        # The curves start at step 0, with the untrained network.
+        returns = greedy_episodes(eval_key, params, env, network, num_eval)
         start = {"step": 0, "eval_return": returns.mean(), "train_return": nan, "loss": nan}
         return carry, jax.tree.map(lambda x: jnp.asarray(x)[None], start)
 

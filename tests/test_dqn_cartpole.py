@@ -228,9 +228,9 @@ def test_seeds_in_batches_give_what_one_vmap_gives(tiny_keys, vmapped_out):
     out = train_all(TINY, grid, plan)
 
     def same(a: dict, b: dict) -> None:
-        """Equal up to float rounding. The step-0 evaluation is left out: the untrained network
-        of seed 0 nearly ties its two actions in a state it meets, so its greedy return there
-        (140.5 or 145) flips with the last bit of a Q-value, whatever the layout."""
+        """Equal up to float rounding. The step-0 evaluation is left out: an untrained network
+        can nearly tie its two actions in a state it meets (seed 0's did, its return 140.5 or
+        145), so its greedy return there flips with the last bit of a Q-value, in any layout."""
         a, b = (
             {**x, "metrics": {**x["metrics"], "eval_return": x["metrics"]["eval_return"][..., 1:]}}
             for x in (a, b)
