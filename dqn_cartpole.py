@@ -1102,19 +1102,24 @@ def read_curves(output: Path, summary: dict) -> dict[str, np.ndarray]:
 
 def plot_run(output: Path) -> Path:
     """learning_curves.png (one configuration) or sweep.png, from the saved files alone."""
-    summary = json.loads((output / "summary.json").read_text())
-    curves, solved = read_curves(output, summary), summary["environment"]["solved_return"]
-    env_id, config = summary["environment"]["id"], summary["config"]
-    title = f"DQN on {env_id}: {plural(config['num_seeds'], 'seed')}"
-    done, total = summary.get("steps_done", config["total_timesteps"]), config["total_timesteps"]
-    title += f" x {total:,} steps" if done == total else f" x {done:,} of {total:,} steps (stopped)"
-    if "grid" not in summary:
-        path = output / "learning_curves.png"
-        plot_learning_curves(curves, summary, solved, title, path)
-        return path
-    points = [point["hparams"] for point in summary["grid"]]
-    path = output / "sweep.png"
-    plot_sweep(point_labels(points), summary["grid"], solved, title + " per grid point", path)
+    with reading(output / "summary.json") as path:
+        summary = json.loads(path.read_text())
+    curves = read_curves(output, summary)
+    with reading(output / "summary.json"):  # the figure reads the rest of it
+        config, environment = summary["config"], summary["environment"]
+        total = config["total_timesteps"]
+        done = summary.get("steps_done", total)
+        steps = f"{total:,} steps" if done == total else f"{done:,} of {total:,} steps (stopped)"
+        title = f"DQN on {environment['id']}: {plural(config['num_seeds'], 'seed')} x {steps}"
+        solved = environment["solved_return"]
+        if "grid" in summary:
+            labels = point_labels([point["hparams"] for point in summary["grid"]])
+            fig = plot_sweep(labels, summary["grid"], solved, title + " per grid point")
+            path = output / "sweep.png"
+        else:
+            path = output / "learning_curves.png"
+            fig = plot_learning_curves(curves, summary, solved, title)
+    save_figure(fig, path)
     return path
 
 
@@ -1126,7 +1131,7 @@ def save_figure(fig, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_learning_curves(curves: dict, result: dict, solved, title: str, path: Path) -> None:
+def plot_learning_curves(curves: dict, result: dict, solved, title: str):
     """The solved share over training with its 95% Wilson band (when a solved return is known);
     every seed's greedy return with the IQM and its 95% bootstrap CI (the CI only from 10
     seeds on: below that the seeds themselves say more); the final returns' histogram, so that
@@ -1179,7 +1184,7 @@ def plot_learning_curves(curves: dict, result: dict, solved, title: str, path: P
     for ax in axes[:-1]:  # x ticks as 0, 10k, 20k: readable at any run length
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:g}k" if x else "0"))
     fig.suptitle(title)
-    save_figure(fig, path)
+    return fig
 
 
 def apart(values) -> dict[float, str]:
@@ -1197,7 +1202,7 @@ def point_labels(points: list[dict]) -> list[str]:
     return [", ".join(f"{name} {texts[name][p[name]]}" for name in swept) for p in points]
 
 
-def plot_sweep(labels: list, results: list, solved, title: str, path: Path) -> None:
+def plot_sweep(labels: list, results: list, solved, title: str):
     """One row per grid point, best on top: each seed's final greedy return a dot, the IQM and
     its 95% CI a bar. Rows labelled with their values, not colours: readable at any grid size."""
     import matplotlib.pyplot as plt
@@ -1221,7 +1226,7 @@ def plot_sweep(labels: list, results: list, solved, title: str, path: Path) -> N
         ax.axvline(solved, color="k", ls="--", lw=1, label=f"solved ({solved:g})")
     ax.set(xlabel="final greedy return", title=title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))  # outside the rows
-    save_figure(fig, path)
+    return fig
 
 
 def render_median(config: Config, env, network, params, returns: np.ndarray, path: Path):

@@ -815,9 +815,13 @@ def plot_run(output: Path) -> None:
         values = np.loadtxt(file, delimiter=",", ndmin=2)
         if not values.size:
             raise ValueError("it holds no rows")
+        if missing := [name for name in ("step", "greedy_path_length") if name not in names]:
+            raise ValueError(f"it has no column {missing[0]!r}")
         curves = {name: values[:, i].reshape(shape) for i, name in enumerate(names)}
-    plot_heatmap(summary, output / "sweep_heatmap.png")
-    plot_curves(summary, curves, output / "learning_curves.png")
+    with reading(output / "summary.json"):  # the figures read the rest of it
+        heatmap, learning = plot_heatmap(summary), plot_curves(summary, curves)
+    save_figure(heatmap, output / "sweep_heatmap.png")
+    save_figure(learning, output / "learning_curves.png")
 
 
 def save_figure(fig, path: Path) -> None:
@@ -842,7 +846,7 @@ def ticks(values: list[float], most: int) -> tuple[range, list[str]]:
     return range(0, len(values), step), [texts[value] for value in values[::step]]
 
 
-def plot_heatmap(summary: dict, path: Path) -> None:
+def plot_heatmap(summary: dict):
     """Quality over learning rate x epsilon: one column of panels per gamma, one row per measure;
     each colour scale spans the values present, each cell gives its mean and 95% CI."""
     import matplotlib.pyplot as plt
@@ -877,10 +881,10 @@ def plot_heatmap(summary: dict, path: Path) -> None:
             ax.set_yticks(*ticks(lrs, most=10))
             ax.set(xlabel="epsilon", ylabel="learning rate", title=f"gamma = {titles[gamma]}")
         fig.colorbar(image, ax=axes[m].tolist(), label=label.replace(" (", "\n("))
-    save_figure(fig, path)
+    return fig
 
 
-def plot_curves(summary: dict, curves: dict, path: Path) -> None:
+def plot_curves(summary: dict, curves: dict):
     """Greedy path length during training, mean and 95% CI band across seeds, per grid point."""
     import matplotlib.pyplot as plt
 
@@ -914,7 +918,7 @@ def plot_curves(summary: dict, curves: dict, path: Path) -> None:
         ax.set_xscale("log")  # the greedy path settles in the first tenth: log spreads it out
         where = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.2), "ncol": 2} if crowded else {}
         ax.legend(fontsize=7, **where)
-    save_figure(fig, path)
+    return fig
 
 
 # ----- Command line --------------------------------------------------------------------------

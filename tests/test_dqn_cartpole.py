@@ -547,7 +547,7 @@ def test_tiny_run_on_a_gymnax_environment(name):
 
 
 @pytest.mark.cpu_devices
-def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_out):
+def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_out, capsys):
     """3 seeds on 2 devices (padded to two batches of 16 per device, the padding dropped) give what
     jit(vmap) gave; progress is reported after each block; then --load re-evaluates."""
     reports = []
@@ -617,6 +617,15 @@ def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_
     monkeypatch.setattr(jax, "jit", lambda *a, **k: pytest.fail("--replot compiled"))
     dqn.main(["--replot", str(out_dir)])
     assert figure.stat().st_size > 0
+    # Its summary damaged outside the config: a KeyError that named no file.
+    summary = json.loads((out_dir / "summary.json").read_text())
+    (out_dir / "summary.json").write_text(json.dumps({**summary, "environment": {}}))
+    capsys.readouterr()  # the run's own lines
+    with pytest.raises(SystemExit) as exit_info:
+        dqn.main(["--replot", str(out_dir)])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "cannot redraw (summary.json: KeyError: 'id')" in err, err
 
 
 def free_port() -> int:

@@ -611,6 +611,19 @@ def test_cli_happy_path(tmp_path):
     assert done.returncode == 0 and done.stdout.count("\n") == 1, done.stderr[-2000:]
     for name in ("sweep_heatmap.png", "learning_curves.png"):
         assert (output / name).stat().st_size > 0
+    # A summary damaged outside its config, a curves.csv without a column the figure draws:
+    # KeyErrors that named no file.
+    whole = {name: (output / name).read_text() for name in ("summary.json", "curves.csv")}
+    no_path = whole["curves.csv"].replace("greedy_path", "path")  # a column renamed
+    for name, damaged, why in (
+        ("summary.json", json.dumps({**summary, "grid": [{}] * 2}), "summary.json: KeyError: "),
+        ("curves.csv", no_path, "curves.csv: it has no column 'greedy_path_length'"),
+    ):
+        (output / name).write_text(damaged)
+        done = subprocess.run(replot, capture_output=True, text=True, check=False)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert f"cannot redraw ({why}" in done.stderr, done.stderr
+        (output / name).write_text(whole[name])
     # A curves.csv with its header only: one line that names it (numpy's warning came first).
     (output / "curves.csv").write_text((output / "curves.csv").read_text().splitlines()[0])
     done = subprocess.run(replot, capture_output=True, text=True, check=False)
