@@ -876,10 +876,10 @@ def score_line(result: dict, solved: float | None) -> str:
 
 
 RUN_FILES = ("summary.json", "curves.csv", "params.msgpack")
-# All a run writes: what --overwrite may replace.
 CHECKPOINT = "checkpoint.npz"  # a run stopped early, or on its way: what --resume reads
-RUN_NAMES = (*RUN_FILES, CHECKPOINT, "learning_curves.png", "sweep.png", "load_summary.json")
-RUN_NAMES = (*RUN_NAMES, "render.gif")
+RUN_NAMES = (  # all a run writes: what --overwrite may replace
+    *RUN_FILES, CHECKPOINT, "learning_curves.png", "sweep.png", "load_summary.json", "render.gif"
+)  # fmt: skip
 SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 CURVES = ("step", "eval_return", "train_return", "loss")  # curves.csv's columns after seed
 
@@ -1062,10 +1062,9 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int
         blocks = sum(count for _, count, _ in config.blocks)
         if not run["points"] or not 0 <= done < blocks:
             raise ValueError(f"{len(run['points'])} grid points, {done} of {blocks} blocks done")
-        agents = {len(x) for x in (*leaves, *metrics.values())}  # padded agents, each array
+        agents = {len(x) for x in (*leaves, *metrics.values())}  # of each array
         evals = {m.shape[1:] for m in metrics.values()}  # step 0 and one a block done
-        too_few = min(agents) < len(run["points"]) * config.num_seeds
-        if len(agents) > 1 or too_few or evals != {(done + 1,)}:
+        if agents != {len(run["points"]) * config.num_seeds} or evals != {(done + 1,)}:
             raise ValueError("its arrays do not hold the same agents and blocks")
         floats = all(np.issubdtype(metrics[name].dtype, np.floating) for name in CURVES[1:])
         steps = np.arange(done + 1) * config.eval_every  # the blocks done are whole ones
@@ -1090,7 +1089,11 @@ def read_curves(output: Path, summary: dict) -> dict[str, np.ndarray]:
     num_seeds = summary["config"]["num_seeds"]
     shape = (len(summary.get("grid", [None])), num_seeds, -1)
     with reading(output / "curves.csv") as path, open(path) as file:
-        rows = list(csv.DictReader(file))
+        header, *lines = [*csv.reader(file)] or [[]]
+        for number, line in enumerate(lines, start=2):  # DictReader: None for a value short
+            if len(line) != len(header):
+                raise ValueError(f"its line {number} has {len(line)} values, not {len(header)}")
+        rows = [dict(zip(header, line, strict=True)) for line in lines]
         if sorted({int(row["seed"]) for row in rows}) != list(range(num_seeds)):  # none, edited
             raise ValueError(f"it does not hold the summary's {num_seeds} seeds")
         number = lambda text: float(text) if text else np.nan  # noqa: E731
@@ -1663,7 +1666,7 @@ def run_folder(template: str, overwrite: bool) -> str:
         raise ValueError(f"--output-dir {template} is not a folder") from None
     except OSError:  # no such folder yet (it is made later), or a name the OS refuses
         held = []
-    ours = {*RUN_NAMES, *(f(Path(name)).name for name in RUN_NAMES for f in (temporary, set_aside))}
+    ours = {path.name for path in run_paths(Path())}
     if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
         raise ValueError(
             f"--output-dir {template} holds {foreign[0]}, which no run of this script "
@@ -1728,6 +1731,12 @@ def make_folder(folder: str) -> Path:
 def set_aside(path: Path) -> Path:
     """Where --overwrite keeps a previous run's file while the new run is written."""
     return path.with_name(f".{path.stem}.old{path.suffix}")
+
+
+def run_paths(folder: Path) -> list[Path]:
+    """Every path a run writes in `folder`: its files, each also where it is written first
+    (temporary) and where --overwrite keeps it while the new run is written (set_aside)."""
+    return [f(folder / name) for name in RUN_NAMES for f in (Path, temporary, set_aside)]
 
 
 @contextlib.contextmanager
@@ -1832,6 +1841,11 @@ def check_run(config: Config, output: Path, named_by: str = "--output-dir") -> N
         raise ValueError(f"{named_by}: {error}") from None
     if not existing.is_dir() or not os.access(existing, os.W_OK):
         raise ValueError(f"{named_by} {output}: {existing} is not a writable folder")
+    # A folder where the run writes a file: --resume's and --load's runs found it only when
+    # they wrote, after training (a new run's folder refuses one in run_folder).
+    if folders := [path.name for path in run_paths(output) if path.is_dir()]:
+        raise ValueError(f"{named_by} {output}: it holds a folder {folders[0]}, where a run "
+                         "writes a file")  # fmt: skip
 
 
 def replot(folder: str) -> None:
@@ -1894,8 +1908,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise ValueError(f"{named_by}: {error}") from None
             config = dataclasses.replace(config, output_dir=str(output))
             kept = {Path(run).resolve() for run in (args.load, args.resume) if run}
-            ours = [f(output / name) for name in RUN_NAMES for f in (Path, temporary, set_aside)]
-            held = any(path.exists() for path in ours)  # a run's files, or what a crash left
+            held = any(path.exists() for path in run_paths(output))  # or what a crash left
             if args.overwrite and held and output.resolve() not in kept:  # a loaded or resumed
                 TO_REPLACE.add(output)  # run keeps its files
             if args.resume:  # killed just after its first checkpoint under --overwrite, it left

@@ -8,6 +8,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -1300,6 +1301,20 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
         patch.setattr(os, "access", lambda path, mode: False)
         dqn.main(["--resume", str(stopped)])
     assert f"error: --resume {stopped}: " in capsys.readouterr().err  # not --output-dir either
+    # A folder where the run writes a file: it trained, then failed to write (exit 1), half of
+    # the run written. Now one line before it trains.
+    for name, flag in ("params.msgpack", "--resume"), ("load_summary.json", "--load"):
+        moved = (stopped / name).rename(tmp_path / name) if (stopped / name).exists() else None
+        (stopped / name).mkdir()
+        with monkeypatch.context() as patch, pytest.raises(SystemExit) as exit_info:
+            patch.setattr(dqn, "run_training", lambda *a, **k: pytest.fail("it trained"))
+            patch.setattr(dqn, "greedy_episodes", lambda *a, **k: pytest.fail("it played"))
+            dqn.main([flag, str(stopped)])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and f"it holds a folder {name}, where" in err, err
+        (stopped / name).rmdir()
+        if moved:
+            moved.rename(stopped / name)
     for name in ("load_summary.json", "render.gif"):  # as --load of the stopped run writes
         (stopped / name).write_text("{}")
     dqn.main(["--resume", str(stopped)])
@@ -1355,6 +1370,10 @@ def test_curves_cut_short_are_refused_not_drawn(tmp_path):
         (tmp_path / "curves.csv").write_text("\n".join(text))
         with pytest.raises(ValueError, match=f"hold the summary's {num_seeds} seeds"):
             dqn.read_curves(tmp_path, {"config": {"num_seeds": num_seeds}})
+    for row in "1,500,30,12", "1,500,30,12,0.4,7":  # a value short (read as NaN), one more
+        (tmp_path / "curves.csv").write_text("\n".join([*rows[:4], row]))
+        with pytest.raises(ValueError, match=r"^curves.csv: its line 5 has [46] values, not 5$"):
+            dqn.read_curves(tmp_path, summary)
     (tmp_path / "curves.csv").write_text("\n".join([*rows[:4], "1,500,x,12,0.4"]))  # a text
     with pytest.raises(ValueError, match="^curves.csv: could not convert string to float: 'x'"):
         dqn.read_curves(tmp_path, summary)  # it named no file
@@ -1630,21 +1649,26 @@ def test_a_checkpoint_that_does_not_hold_together_is_one_line(tmp_path):
     assert dqn.load_checkpoint(checkpoint(solved_return=100.0))[2] == 100.0
     assert dqn.load_checkpoint(checkpoint())[2] is None  # the env's own
     edited = metrics() | {"step": metrics()["step"] * 3 // 5}  # saved with --eval-every 300
-    for path in (
-        checkpoint(points=[]),
-        checkpoint(done=10**6),
-        checkpoint(points=[{"gamma": 0.9}]),
-        checkpoint(done=-1),
-        checkpoint(done=1, arrays=metrics(0)),  # one block done, but metrics of step 0 only
-        checkpoint(arrays=metrics() | {"step": metrics(step=np.float32)["step"] * np.nan}),
-        checkpoint(arrays=metrics(step=str)),
-        checkpoint(arrays=metrics(returns=str)),
-        checkpoint(arrays=edited),
-        checkpoint(solved_return="yes"),
-        checkpoint(solved_return=1e39),
+    # Each written as it is read (they shared one file, written all at once: each check read
+    # the last).
+    agents, evaluations = "its arrays do not hold the same agents", "its metrics are not its"
+    for changes, why in (
+        ({"points": []}, "0 grid points, 2 of 10 blocks done"),
+        ({"done": 10**6}, "1 grid points, 1000000 of 10 blocks done"),
+        ({"points": [{"gamma": 0.9}]}, "KeyError: 'learning_rate'"),
+        ({"done": -1}, "1 grid points, -1 of 10 blocks done"),
+        ({"done": 1, "arrays": metrics(0)}, agents),  # one block done, metrics of step 0 only
+        # more agents than its config has seeds: --resume trained and reported the first ones
+        ({"arrays": {name: np.concatenate([x, x]) for name, x in metrics().items()}}, agents),
+        ({"arrays": metrics() | {"step": metrics(step=np.float32)["step"] * np.nan}}, evaluations),
+        ({"arrays": metrics(step=str)}, evaluations),
+        ({"arrays": metrics(returns=str)}, evaluations),
+        ({"arrays": edited}, evaluations),
+        ({"solved_return": "yes"}, "its solved return 'yes' is not a finite float32"),
+        ({"solved_return": 1e39}, "its solved return 1e+39 is not a finite float32"),
     ):
-        with pytest.raises(ValueError, match="no checkpoint to resume from"):
-            dqn.load_checkpoint(path)
+        with pytest.raises(ValueError, match=rf"no checkpoint to resume from \({re.escape(why)}"):
+            dqn.load_checkpoint(checkpoint(**changes))
     (tmp_path / dqn.CHECKPOINT).write_bytes(os.urandom(1000))  # np.load: "allow_pickle=..."
     with pytest.raises(ValueError, match=r"\(checkpoint.npz is not an .npz archive\)$"):
         dqn.load_checkpoint(str(tmp_path))
