@@ -1112,6 +1112,8 @@ def plot_run(output: Path) -> Path:
         config, environment = summary["config"], summary["environment"]
         total = config["total_timesteps"]
         done = summary.get("steps_done", total)
+        if type(done) is not int or not 0 <= done <= total:
+            raise ValueError(f"its steps_done {done!r} is not a step count up to {total:,}")
         steps = f"{total:,} steps" if done == total else f"{done:,} of {total:,} steps (stopped)"
         title = f"DQN on {environment['id']}: {plural(config['num_seeds'], 'seed')} x {steps}"
         solved = environment["solved_return"]
@@ -1624,6 +1626,10 @@ def parse_command(argv: list[str] | None):
     ):
         if getattr(args, name[2:]) and (rest := [f for f in others if f not in (name, *free)]):
             raise ValueError(f"{name} {what} as it was saved; leave out {rest[0]}")
+    if args.load and args.output_dir:  # the loaded run's folder, where --load writes: as if
+        with contextlib.suppress(OSError, RuntimeError):  # left out (it asked for --overwrite)
+            if Path(args.output_dir).resolve() == Path(args.load).resolve():
+                args.output_dir = None
     if args.load and args.overwrite and args.output_dir is None:  # a flag that would do nothing
         raise ValueError("--overwrite: --load writes into the run's folder, and replaces nothing")
     if args.resume:  # the run's own threshold and checkpoint cadence too, unless given

@@ -698,6 +698,7 @@ HEATMAP_MEASURES = {
     "optimal_time_share": "share of training on a shortest path (mean over seeds)",
 }
 RUN_FILES = ("summary.json", "curves.csv", "q_tables.npy")
+CURVE_COLUMNS = (*HParams._fields, "seed", "step", "greedy_path_length")  # what --replot reads
 RUN_NAMES = (*RUN_FILES, "sweep_heatmap.png", "learning_curves.png")  # all a run writes
 SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 
@@ -793,18 +794,37 @@ def reading(path: Path):
         raise ValueError(f"{path.name}: {describe(error)}") from None
 
 
+def saved_config(saved: dict) -> Config:
+    """The Config of a run's summary.json. A setting it lacks (its default may not be the
+    run's), or a value of another type than its default's (hand-edited: 2.5 seeds), is a
+    ValueError; JSON keeps a tuple as a list, and may keep a float as an int."""
+    defaults = {field.name: field.default for field in dataclasses.fields(Config)}
+    for name, value in saved.items():
+        if name not in defaults:  # a DQN run's "buffer_size", say
+            raise ValueError(f"its config has {name!r}, not a setting of parallel_q_learning.py")
+        default = defaults[name]  # an int may stand for a float; a bool stands for nothing else
+        if isinstance(default, tuple):  # learning_rates: a list of numbers
+            ok = type(value) is list and all(type(item) in (int, float) for item in value)
+        else:
+            ok = type(value) is type(default) or (type(default), type(value)) == (float, int)
+        if not ok:
+            raise ValueError(f"{name} {value!r} is not of the type of its default, {default!r}")
+    if missing := [name for name in defaults if name not in saved]:
+        raise ValueError(f"its config lacks {missing[0]!r}")
+    return Config(**{name: tuple(v) if type(v) is list else v for name, v in saved.items()})
+
+
 def plot_run(output: Path) -> None:
     """sweep_heatmap.png and learning_curves.png, drawn from the saved files alone."""
-    with reading(output / "summary.json") as path:  # a setting it lacks: a default may differ
+    with reading(output / "summary.json") as path:  # its config, and its grid that follows it
         summary = json.loads(path.read_text())
         if "grid" not in summary:  # the gridworld's, say
             raise ValueError("not a run of parallel_q_learning.py (it holds no grid)")
-        saved = summary["config"]
-        settings = [field.name for field in dataclasses.fields(Config)]
-        if missing := [name for name in settings if name not in saved]:
-            raise ValueError(f"its config lacks {missing[0]!r}")
-        Config(**{name: tuple(v) if type(v) is list else v for name, v in saved.items()})  # checks
-        shape = (len(summary["grid"]), saved["num_seeds"], -1)  # curves.csv's [grid, seeds, points]
+        config = saved_config(summary["config"])
+        points = [tuple(row[name] for name in HParams._fields) for row in summary["grid"]]
+        if points != [tuple(point) for point in grid_points(config)]:  # the heatmap's order
+            raise ValueError("its grid is not its config's gammas x learning rates x epsilons")
+        shape = (len(points), config.num_seeds, -1)  # curves.csv's [grid, seeds, points]
     # Parsed by numpy (a dict per row took ~750 bytes); no rows: our line, not numpy's warning.
     with (
         reading(output / "curves.csv") as path,
@@ -815,9 +835,16 @@ def plot_run(output: Path) -> None:
         values = np.loadtxt(file, delimiter=",", ndmin=2)
         if not values.size:
             raise ValueError("it holds no rows")
-        if missing := [name for name in ("step", "greedy_path_length") if name not in names]:
+        if missing := [name for name in CURVE_COLUMNS if name not in names]:
             raise ValueError(f"it has no column {missing[0]!r}")
+        if len(names) != values.shape[1]:
+            raise ValueError(f"its header names {len(names)} columns, its rows {values.shape[1]}")
         curves = {name: values[:, i].reshape(shape) for i, name in enumerate(names)}
+        grid = np.array(points)  # [grid, learning_rate epsilon gamma], as save_run writes it
+        rows = {name: grid[:, None, None, i] for i, name in enumerate(HParams._fields)}
+        rows |= {"seed": np.arange(config.num_seeds)[:, None], "step": curves["step"][0, 0]}
+        if any((curves[name] != value).any() for name, value in rows.items()):
+            raise ValueError("its rows are not the summary's grid x seeds, each at the same steps")
     with reading(output / "summary.json"):  # the figures read the rest of it
         heatmap, learning = plot_heatmap(summary), plot_curves(summary, curves)
     save_figure(heatmap, output / "sweep_heatmap.png")
@@ -982,7 +1009,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config | Path, dict]:
         text = field.metadata["help"] + (" (default: default)" if field.name == "layout" else "")
         flag = "--" + field.name.replace("_", "-")
         parser.add_argument(flag, type=convert, default=default, help=text)
-    replot = {"type": Path, "metavar": "DIR", "default": argparse.SUPPRESS}  # no "(default: ...)"
+    replot = {"metavar": "DIR", "default": argparse.SUPPRESS}  # no "(default: ...)"
     parser.add_argument("--replot", **replot, help="redraw the figures of a saved run; no training")
     cluster = parser.add_argument_group("several processes, one JAX cluster (see README)")
     cluster.add_argument("--coordinator-address", metavar="HOST:PORT", help="process 0's address")
@@ -999,7 +1026,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config | Path, dict]:
         if given := [name for name in given if name != "replot"]:
             other = "--" + given[0].replace("_", "-")
             fail(f"--replot redraws the saved run as it was saved; leave out {other}")
-        return args["replot"], {}
+        if not args["replot"]:  # Path("") is the current folder
+            fail("--replot must name a run's folder")
+        return Path(args["replot"]), {}
     cluster_flags = ("coordinator_address", "num_processes", "process_id", "cluster_timeout")
     cluster = {name: args.pop(name) for name in cluster_flags}
     cluster["overwrite"] = args.pop("overwrite")  # main checks the folder on process 0 only

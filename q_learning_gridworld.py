@@ -666,15 +666,24 @@ def reading(path: Path):
         raise ValueError(f"{path.name}: {describe(error)}") from None
 
 
-def read_csv(path: Path, num_seeds: int) -> dict:
+def read_csv(path: Path, columns: tuple[str, ...], num_seeds: int) -> dict:
     """write_csv's file -> {column: float array [seeds, points]}, parsed by numpy (a dict per row
-    took ~600 bytes a row: a run the memory check let through ran out of it here)."""
+    took ~600 bytes a row: a run the memory check let through ran out of it here). Its rows must
+    be the summary's seeds in order, each at the same points (its second column)."""
     with reading(path), open(path) as file, warnings.catch_warnings(action="ignore"):
         names = file.readline().strip().split(",")
         values = np.loadtxt(file, delimiter=",", ndmin=2)
         if not values.size:  # our line, not numpy's warning (ignored) and a reshape error
             raise ValueError("it holds no rows")
-        return {name: values[:, i].reshape(num_seeds, -1) for i, name in enumerate(names)}
+        if names != list(columns) or values.shape[1] != len(columns):
+            raise ValueError(f"its columns are not {','.join(columns)}")
+        table = {name: values[:, i].reshape(num_seeds, -1) for i, name in enumerate(names)}
+        x = table[columns[1]]  # steps, or episode numbers
+        if (table["seed"] != np.arange(num_seeds)[:, None]).any() or (x != x[0]).any():
+            raise ValueError(
+                f"its rows are not the summary's {num_seeds} seeds, at the same {columns[1]}s"
+            )
+        return table
 
 
 RUN_FILES = ("summary.json", "curves.csv", "first_episodes.csv", "q_tables.npy")
@@ -697,23 +706,40 @@ def save_run(output_dir: Path, summary: dict, out: dict) -> None:
         np.save(file, np.asarray(out["q_values"], np.float32))
 
 
+def saved_config(saved: dict) -> Config:
+    """The Config of a run's summary.json. A setting it lacks (its default may not be the
+    run's), or a value of another type than its default's (hand-edited: 2.5 seeds), is a
+    ValueError; JSON may keep a float as an int."""
+    defaults = {field.name: field.default for field in dataclasses.fields(Config)}
+    for name, value in saved.items():
+        if name not in defaults:  # a DQN run's "buffer_size", say
+            raise ValueError(f"its config has {name!r}, not a setting of q_learning_gridworld.py")
+        default = defaults[name]  # an int may stand for a float; a bool stands for nothing else
+        if type(value) is not type(default) and (type(default), type(value)) != (float, int):
+            raise ValueError(f"{name} {value!r} is not of the type of its default, {default!r}")
+    if missing := [name for name in defaults if name not in saved]:
+        raise ValueError(f"its config lacks {missing[0]!r}")
+    return Config(**saved)
+
+
 def plot_run(run_dir: Path) -> Path:
     """Max-Q heatmap of seed 0 with its greedy actions, then two learning curves, drawn from
     the saved files alone (so the figure shows nothing that was not saved) -> its path."""
     from matplotlib.figure import Figure  # not pyplot: a file only, no display or backend
     from matplotlib.ticker import LogFormatter
 
-    with reading(run_dir / "summary.json") as path:  # a setting it lacks: a default may differ
-        saved = json.loads(path.read_text())["config"]
-        settings = [field.name for field in dataclasses.fields(Config)]
-        if missing := [name for name in settings if name not in saved]:
-            raise ValueError(f"its config lacks {missing[0]!r}")
-        config = Config(**saved)
+    with reading(run_dir / "summary.json") as path:
+        config = saved_config(json.loads(path.read_text())["config"])
     env, n = GridWorld(config.layout, config.max_episode_steps), config.num_seeds
     # Not np.load: a file that is not .npy, it would read as a pickle (and advise allow_pickle).
     with reading(run_dir / "q_tables.npy") as path, open(path, "rb") as file:
-        q = np.lib.format.read_array(file)[0].reshape(env.num_cells, NUM_ACTIONS)
-    curves, first = (read_csv(run_dir / name, n) for name in ("curves.csv", "first_episodes.csv"))
+        tables, shape = np.lib.format.read_array(file), (n, env.rows, env.cols, NUM_ACTIONS)
+        if tables.shape != shape or tables.dtype.kind != "f":  # [seeds, rows, cols, actions]
+            raise ValueError(f"it holds {tables.dtype} {tables.shape}; the summary: float {shape}")
+        q = tables[0].reshape(env.num_cells, NUM_ACTIONS)  # seed 0's
+    columns = ("seed", "step", "episodes", "mean_episode_length", "mean_return")
+    curves = read_csv(run_dir / "curves.csv", columns, n)
+    first = read_csv(run_dir / "first_episodes.csv", ("seed", "episode", "length"), n)
     fig = Figure(figsize=(18, 5), layout="tight")
     ax_map, ax_episodes, ax_steps = fig.subplots(1, 3, width_ratios=[1.2, 1, 1])
     fig.suptitle(
@@ -826,7 +852,7 @@ def parse_config(argv: list[str] | None = None) -> Config | Path:
         text = field.metadata["help"] + (" (default: default)" if layout else "")
         flag = "--" + field.name.replace("_", "-")
         parser.add_argument(flag, type=convert, default=default, help=text)
-    replot = {"type": Path, "metavar": "DIR", "default": argparse.SUPPRESS}  # no "(default: ...)"
+    replot = {"metavar": "DIR", "default": argparse.SUPPRESS}  # no "(default: ...)"
     parser.add_argument("--replot", **replot, help="redraw the figures of a saved run; no training")
     overwrite_help = "replace the run in an --output-dir that holds one"
     parser.add_argument("--overwrite", action="store_true", help=overwrite_help)
@@ -837,7 +863,9 @@ def parse_config(argv: list[str] | None = None) -> Config | Path:
         if given := [name for name in given if name != "replot"]:
             other = "--" + given[0].replace("_", "-")
             fail(f"--replot redraws the saved run as it was saved; leave out {other}")
-        return args["replot"]
+        if not args["replot"]:  # Path("") is the current folder
+            fail("--replot must name a run's folder")
+        return Path(args["replot"])
     overwrite = args.pop("overwrite")
     try:
         config = Config(**args)

@@ -597,9 +597,16 @@ def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_
     loaded = json.loads((out_dir / "load_summary.json").read_text())
     assert len(loaded["final_eval_return"]) == 3 and loaded["config"]["env"] == "gymnax"
     assert (out_dir / "render.gif").read_bytes()[:3] == b"GIF"
-    # The loaded run, named another way as the output with --overwrite, keeps its files.
-    dqn.main(["--load", str(out_dir), "--output-dir", str(out_dir.resolve()), "--overwrite"])
-    assert (out_dir / "summary.json").exists() and (out_dir / "params.msgpack").exists()
+    # The loaded run, named another way as --output-dir: its folder, as if left out (it asked
+    # for --overwrite, which then did nothing). With --overwrite, refused as without the flag.
+    (out_dir / "load_summary.json").unlink()
+    dqn.main(["--load", str(out_dir), "--output-dir", str(out_dir.resolve())])
+    assert (out_dir / "load_summary.json").exists() and (out_dir / "params.msgpack").exists()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        dqn.main(["--load", str(out_dir), "--output-dir", str(out_dir.resolve()), "--overwrite"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--overwrite: --load writes into the run's" in err, err
 
     # curves.csv: one row per seed x evaluation (step 0 included), the summary's finals in it.
     with open(out_dir / "curves.csv") as file:
@@ -618,15 +625,20 @@ def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_
     monkeypatch.setattr(jax, "jit", lambda *a, **k: pytest.fail("--replot compiled"))
     dqn.main(["--replot", str(out_dir)])
     assert figure.stat().st_size > 0
-    # Its summary damaged outside the config: a KeyError that named no file.
+    # Its summary damaged outside the config: a KeyError that named no file; steps done that
+    # went into the title ("-5 of 1,000 steps").
     summary = json.loads((out_dir / "summary.json").read_text())
-    (out_dir / "summary.json").write_text(json.dumps({**summary, "environment": {}}))
     capsys.readouterr()  # the run's own lines
-    with pytest.raises(SystemExit) as exit_info:
-        dqn.main(["--replot", str(out_dir)])
-    err = capsys.readouterr().err.strip()
-    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
-    assert "cannot redraw (summary.json: KeyError: 'id')" in err, err
+    for damage, why in (
+        ({"environment": {}}, "KeyError: 'id'"),
+        ({"steps_done": -5}, "its steps_done -5 is not a step count up to 1,000"),
+    ):
+        (out_dir / "summary.json").write_text(json.dumps({**summary, **damage}))
+        with pytest.raises(SystemExit) as exit_info:
+            dqn.main(["--replot", str(out_dir)])
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+        assert f"cannot redraw (summary.json: {why})" in err, err
 
 
 def free_port() -> int:

@@ -624,6 +624,23 @@ def test_cli_happy_path(tmp_path):
         assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
         assert f"cannot redraw ({why}" in done.stderr, done.stderr
         (output / name).write_text(whole[name])
+    # Drawn before (exit 0): a summary edited to 1 seed, its learning rates reordered (the
+    # heatmap placed the rows by them), a grid point's gamma changed; a value more in every row
+    # of curves.csv. Named no file: 2.5 seeds (a reshape error), an unknown gamma (in list).
+    config, rows, grid = summary["config"], whole["curves.csv"].splitlines(), summary["grid"]
+    not_its = "summary.json: its grid is not its config's gammas x learning rates x epsilons"
+    for name, edit, why in (
+        ("summary.json", {"config": {**config, "num_seeds": 1}}, "curves.csv: its rows are not"),
+        ("summary.json", {"config": {**config, "learning_rates": [0.5, 0.1]}}, not_its),
+        ("summary.json", {"grid": [{**grid[0], "gamma": 0.5}, *grid[1:]]}, not_its),
+        ("summary.json", {"config": {**config, "num_seeds": 2.5}}, "summary.json: num_seeds 2.5"),
+        ("curves.csv", [rows[0], *(row + ",7" for row in rows[1:])], "curves.csv: its header "),
+    ):  # fmt: skip
+        damaged = json.dumps({**summary, **edit}) if name == "summary.json" else "\n".join(edit)
+        (output / name).write_text(damaged)
+        with pytest.raises(ValueError, match=f"^{re.escape(why)}"):
+            pq.plot_run(output)
+        (output / name).write_text(whole[name])
     # A curves.csv with its header only: one line that names it (numpy's warning came first).
     (output / "curves.csv").write_text((output / "curves.csv").read_text().splitlines()[0])
     done = subprocess.run(replot, capture_output=True, text=True, check=False)

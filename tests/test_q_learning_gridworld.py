@@ -718,7 +718,7 @@ def test_csv_files_take_little_memory_to_write_and_read(tmp_path):
     tracemalloc.start()  # numpy reports its arrays to it too
     try:
         qlg.write_csv(tmp_path / "rows.csv", columns)
-        read = qlg.read_csv(tmp_path / "rows.csv", seeds)
+        read = qlg.read_csv(tmp_path / "rows.csv", tuple(columns), seeds)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -729,14 +729,14 @@ def test_csv_files_take_little_memory_to_write_and_read(tmp_path):
 
 def test_curves_csv_and_q_tables_round_trip(saved_run):
     output_dir, out = saved_run
-    curves = qlg.read_csv(output_dir / "curves.csv", 2)
-    columns = ["seed", "step", "episodes", "mean_episode_length", "mean_return"]
-    assert list(curves) == columns and curves["step"].shape == (2, SMALL["num_curve_points"])
+    columns = ("seed", "step", "episodes", "mean_episode_length", "mean_return")
+    curves = qlg.read_csv(output_dir / "curves.csv", columns, 2)
+    assert tuple(curves) == columns and curves["step"].shape == (2, SMALL["num_curve_points"])
     np.testing.assert_array_equal(curves["seed"], [[0] * 10, [1] * 10])
     np.testing.assert_array_equal(curves["step"], out["metrics"]["timestep"])
     for name in columns[2:]:
         np.testing.assert_array_equal(curves[name], out["metrics"][name])
-    first = qlg.read_csv(output_dir / "first_episodes.csv", 2)
+    first = qlg.read_csv(output_dir / "first_episodes.csv", ("seed", "episode", "length"), 2)
     np.testing.assert_array_equal(first["length"], out["metrics"]["episode_length"])
     q_tables = np.load(output_dir / "q_tables.npy")
     assert q_tables.dtype == np.float32 and q_tables.shape == (2, 8, 12, 4)
@@ -776,6 +776,44 @@ def test_replot_of_a_run_with_a_damaged_file_is_one_line(saved_run, tmp_path, da
     assert f"cannot redraw ({damaged}: " in lines[0], lines  # numpy's own words named no file
     if damaged == "curves.csv":
         assert "cannot redraw (curves.csv: it holds no rows)" in lines[0], lines
+
+
+def test_replot_refuses_saved_files_that_do_not_hold_together(saved_run, tmp_path, capsys):
+    """Each was drawn (exit 0) or named no file: curves.csv without seed 1's rows (a band of
+    seed 0's two halves), with a value more than its header names; a summary edited to 1 or 3
+    seeds, or to 2.5; Q-tables of another dtype (numpy's UFuncTypeError)."""
+    run = tmp_path / "run"
+    shutil.copytree(saved_run[0], run)
+    whole = {name: (run / name).read_text() for name in ("summary.json", "curves.csv")}
+    header, *rows = whole["curves.csv"].splitlines()
+    summary = json.loads(whole["summary.json"])
+    seeds = lambda n: json.dumps({**summary, "config": {**summary["config"], "num_seeds": n}})  # noqa: E731
+    for name, damaged, why in (
+        (
+            "curves.csv",
+            "\n".join([header, *(r for r in rows if r[0] != "1")]),
+            "curves.csv: its rows ",
+        ),
+        ("curves.csv", "\n".join([header, *(r + ",7" for r in rows)]), "curves.csv: its columns "),
+        ("summary.json", seeds(1), "q_tables.npy: it holds float32 (2, 8, 12, 4); the summary: "),
+        ("summary.json", seeds(3), "q_tables.npy: it holds float32 (2, 8, 12, 4); the summary: "),
+        ("summary.json", seeds(2.5), "summary.json: num_seeds 2.5 is not of the type of its "),
+        (
+            "q_tables.npy",
+            None,
+            "q_tables.npy: it holds complex128 (2, 8, 12, 4); the summary: float",
+        ),
+    ):
+        if damaged is None:
+            np.save(run / name, np.load(saved_run[0] / name).astype(complex))
+        else:
+            (run / name).write_text(damaged)
+        with pytest.raises(SystemExit) as exit_info:
+            qlg.main(["--replot", str(run)])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1, err
+        assert f"cannot redraw ({why}" in err, err
+        shutil.copy(saved_run[0] / name, run / name)
 
 
 def test_replot_of_a_folder_that_is_no_run_or_with_a_bad_flag_is_one_line(tmp_path, capsys):

@@ -205,6 +205,19 @@ def test_a_signal_while_writing_waits_until_the_run_is_written(script, tmp_path)
     assert exit_info.value.code == 128 + signal.SIGTERM and written.read_text() == "whole"
 
 
+def test_replot_of_an_empty_folder_name_is_one_line(script, tmp_path, capsys, monkeypatch):
+    """Path("") is ".": the gridworld and the sweep redrew the run in the current folder, or
+    named "." as not a saved run."""
+    monkeypatch.chdir(tmp_path)
+    for name in script.RUN_FILES:  # a run here would have been redrawn
+        (tmp_path / name).write_text("{bad")
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--replot", ""])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1, err
+    assert err[0].endswith("error: --replot must name a run's folder"), err
+
+
 def test_replot_of_a_damaged_run_is_one_line(script, tmp_path, capsys):
     for name in script.RUN_FILES:  # every file a run needs, none of them readable
         (tmp_path / name).write_text("{bad")
