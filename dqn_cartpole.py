@@ -1825,9 +1825,9 @@ def remove_if_empty(folder: Path) -> None:
             path.rmdir()
 
 
-def check_run(config: Config, output: Path, named_by: str = "--output-dir") -> None:
-    """What Config does not check on its own: the run as a whole and the output folder, which
-    the flag `named_by` chose. ValueError('--flag problem') before any work."""
+def check_sizes(config: Config) -> None:
+    """What Config does not check on its own: the sizes of the run as a whole. ValueError('--flag
+    problem'); the benchmarks that run ours check their sizes with it too."""
     if not -(2**63) <= config.seed < 2**63:  # what jax.random.key takes
         raise ValueError(f"--seed must be a 64-bit integer, got {config.seed}")
     for f in dataclasses.fields(config):  # the step counters are int32 (jax's default)
@@ -1839,6 +1839,12 @@ def check_run(config: Config, output: Path, named_by: str = "--output-dir") -> N
     if first > config.total_timesteps:  # updates come at the multiples of train_frequency
         raise ValueError(f"--train-frequency: the first update would come at step {first:,}, "
                          "after --total-timesteps")  # fmt: skip
+
+
+def check_run(config: Config, output: Path, named_by: str = "--output-dir") -> None:
+    """check_sizes, then the output folder, which the flag `named_by` chose. ValueError('--flag
+    problem') before any work."""
+    check_sizes(config)
     if jax.process_index() > 0:  # process 0 writes for the cluster
         return
     try:  # the folder, or the nearest parent that exists, must be a writable folder

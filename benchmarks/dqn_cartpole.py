@@ -40,6 +40,7 @@ def article_run(timesteps: int, num_agents: int):
             dqn.Config(), total_timesteps=timesteps, eval_every=timesteps, num_seeds=num_agents,
             **cli.ARTICLE_DQN,
         )  # fmt: skip
+        dqn.check_sizes(config)
         network = dqn.QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
         terms, held_bytes = dqn.memory_need(config, env, network)
         dqn.check_memory(terms, held_bytes, num_agents)

@@ -82,6 +82,7 @@ def main() -> None:
             eval_every=min(dqn.Config().eval_every, args.timesteps // 2),  # two blocks or more
             learning_starts=min(dqn.Config().learning_starts, args.timesteps // 2),
         )  # fmt: skip
+        dqn.check_sizes(config)
         network = dqn.QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
         terms, held_bytes = dqn.memory_need(config, env, network)
         dqn.check_memory(terms, held_bytes, args.seeds)

@@ -402,7 +402,6 @@ CLUSTER = ["--coordinator-address", "127.0.0.1:9", "--num-processes", "2"]
         (["--gammas", "1.0"], "--gammas"),
         (["--layout", "no_such_layout"], "--layout"),
         (["--num-seeds", "1000000000"], "--num-seeds"),
-        # 8 TB for one agent: more than any machine has, so the agent itself is refused
         (["--num-seeds", "many"], "--num-seeds"),
         (["--no-such-flag"], "--no-such-flag"),
         (["--layout", "/no/such/map.txt"], "--layout"),
@@ -751,8 +750,15 @@ def test_replot_does_not_train_and_a_bad_folder_or_flag_is_one_line(tmp_path, ca
     def no_training(*args, **kwargs):
         raise AssertionError("--replot must not train or compile")
 
+    run = tmp_path / "run"  # a real run (only refusals were replotted here, before any work)
+    pq.main(["--num-seeds", "2", "--total-timesteps", "1000", "--output-dir", str(run)])
+    for name in ("sweep_heatmap.png", "learning_curves.png"):
+        (run / name).unlink()
     monkeypatch.setattr(pq, "run_sweep", no_training)
     monkeypatch.setattr(jax, "jit", no_training)
+    pq.main(["--replot", str(run)])
+    assert (run / "sweep_heatmap.png").exists() and (run / "learning_curves.png").exists()
+    capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         pq.main(["--replot", str(tmp_path)])
     err = capsys.readouterr().err
@@ -851,7 +857,8 @@ def test_layout_reads_only_a_small_regular_file(tmp_path, monkeypatch, capsys, k
     if kind == "fifo":
         os.mkfifo(path)
     elif kind == "too_large":
-        Path(path).write_text(("." * 999 + "\n") * 300)
+        rows = ["S" + "." * 998, *["." * 999] * 298, "." * 998 + "G"]  # 300 KB, a map
+        Path(path).write_text("\n".join(rows))  # (a map without S stopped at its parse)
     elif kind == "shadows_a_built_in":
         Path(path).write_text("S.G\n")
     with pytest.raises(SystemExit) as exit_info:
@@ -859,6 +866,8 @@ def test_layout_reads_only_a_small_regular_file(tmp_path, monkeypatch, capsys, k
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--layout" in err[0], err
+    shadowed = kind == "shadows_a_built_in"
+    assert ("a built-in layout and a file" if shadowed else "file of at most 256 KiB") in err[0]
     assert not (tmp_path / "out").exists()
 
 

@@ -936,7 +936,8 @@ def test_layout_reads_only_a_small_regular_file(tmp_path, monkeypatch, capsys, k
     if kind == "fifo":
         os.mkfifo(path)
     elif kind == "too_large":
-        Path(path).write_text(("." * 999 + "\n") * 300)
+        rows = ["S" + "." * 998, *["." * 999] * 298, "." * 998 + "G"]  # 300 KB, a map
+        Path(path).write_text("\n".join(rows))  # (a map without S stopped at its parse)
     elif kind == "shadows_a_built_in":
         Path(path).write_text("S.G\n")
     with pytest.raises(SystemExit) as exit_info:
@@ -944,6 +945,8 @@ def test_layout_reads_only_a_small_regular_file(tmp_path, monkeypatch, capsys, k
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--layout" in err[0], err
+    shadowed = kind == "shadows_a_built_in"
+    assert ("a built-in layout and a file" if shadowed else "file of at most 256 KiB") in err[0]
     assert not (tmp_path / "out").exists()
 
 
