@@ -877,9 +877,9 @@ def score_line(result: dict, solved: float | None) -> str:
 
 RUN_FILES = ("summary.json", "curves.csv", "params.msgpack")
 CHECKPOINT = "checkpoint.npz"  # a run stopped early, or on its way: what --resume reads
-RUN_NAMES = (  # all a run writes: what --overwrite may replace
-    *RUN_FILES, CHECKPOINT, "learning_curves.png", "sweep.png", "load_summary.json", "render.gif"
-)  # fmt: skip
+LOAD_NAMES = ("load_summary.json", "render.gif")  # what --load writes into a run's folder
+# All a run writes: what --overwrite may replace.
+RUN_NAMES = (*RUN_FILES, CHECKPOINT, "learning_curves.png", "sweep.png", *LOAD_NAMES)
 SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 CURVES = ("step", "eval_return", "train_return", "loss")  # curves.csv's columns after seed
 
@@ -1084,30 +1084,42 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int
     return config, run["points"], solved, (done, leaves, metrics), every
 
 
-def read_curves(output: Path, summary: dict) -> dict[str, np.ndarray]:
-    """curves.csv as arrays [grid points, seeds, evaluations] (NaN for an empty cell)."""
-    num_seeds = summary["config"]["num_seeds"]
-    shape = (len(summary.get("grid", [None])), num_seeds, -1)
-    with reading(output / "curves.csv") as path, open(path) as file:
-        header, *lines = [*csv.reader(file)] or [[]]
-        for number, line in enumerate(lines, start=2):  # DictReader: None for a value short
+def read_curves(path: Path, shape: tuple[int, int, int]) -> dict[str, np.ndarray]:
+    """curves.csv as arrays `shape` [grid points, seeds, evaluations] (NaN for an empty cell):
+    its rows the summary's grid points x seeds in order, each at the same evaluations."""
+    num_seeds = shape[1]
+    with reading(path), open(path) as file:  # blank lines skipped, as csv.DictReader does
+        numbered = [(number, line) for number, line in enumerate(csv.reader(file), 1) if line]
+        header = numbered[0][1] if numbered else []
+        for number, line in numbered[1:]:  # DictReader: None for a value short
             if len(line) != len(header):
                 raise ValueError(f"its line {number} has {len(line)} values, not {len(header)}")
-        rows = [dict(zip(header, line, strict=True)) for line in lines]
+        rows = [dict(zip(header, line, strict=True)) for _, line in numbered[1:]]
         if sorted({int(row["seed"]) for row in rows}) != list(range(num_seeds)):  # none, edited
             raise ValueError(f"it does not hold the summary's {num_seeds} seeds")
         number = lambda text: float(text) if text else np.nan  # noqa: E731
-        curves = {name: np.array([number(r[name]) for r in rows]).reshape(shape) for name in CURVES}
+        columns = ("seed", *CURVES)
+        curves = {
+            name: np.array([number(r[name]) for r in rows]).reshape(shape) for name in columns
+        }
+        if (curves.pop("seed") != np.arange(num_seeds)[:, None]).any():  # [grid, seeds, evals]
+            raise ValueError("its rows are not the summary's seeds in order")
         if (curves["step"] != curves["step"][:1, :1]).any():  # rows cut off or mixed up
             raise ValueError("it does not hold the same evaluations for every seed")
+        if not np.isfinite(curves["eval_return"]).all():  # every evaluation is drawn
+            raise ValueError("an eval_return in it is not a finite number")
     return curves
 
 
 def plot_run(output: Path) -> Path:
     """learning_curves.png (one configuration) or sweep.png, from the saved files alone."""
-    with reading(output / "summary.json") as path:
+    with reading(output / "summary.json") as path:  # what reading curves.csv needs of it
         summary = json.loads(path.read_text())
-    curves = read_curves(output, summary)
+        points = summary.get("grid", [None])  # a sweep's grid points; one configuration: one
+        if type(points) is not list or not points:
+            raise ValueError(f"its grid {points!r:.40} is not a list of grid points")
+        shape = (len(points), summary["config"]["num_seeds"], -1)
+    curves = read_curves(output / "curves.csv", shape)
     with reading(output / "summary.json"):  # the figure reads the rest of it
         config, environment = summary["config"], summary["environment"]
         total = config["total_timesteps"]
@@ -1739,10 +1751,10 @@ def set_aside(path: Path) -> Path:
     return path.with_name(f".{path.stem}.old{path.suffix}")
 
 
-def run_paths(folder: Path) -> list[Path]:
+def run_paths(folder: Path, names: tuple[str, ...] = RUN_NAMES) -> list[Path]:
     """Every path a run writes in `folder`: its files, each also where it is written first
     (temporary) and where --overwrite keeps it while the new run is written (set_aside)."""
-    return [f(folder / name) for name in RUN_NAMES for f in (Path, temporary, set_aside)]
+    return [f(folder / name) for name in names for f in (Path, temporary, set_aside)]
 
 
 @contextlib.contextmanager
@@ -1841,9 +1853,9 @@ def check_sizes(config: Config) -> None:
                          "after --total-timesteps")  # fmt: skip
 
 
-def check_run(config: Config, output: Path, named_by: str = "--output-dir") -> None:
-    """check_sizes, then the output folder, which the flag `named_by` chose. ValueError('--flag
-    problem') before any work."""
+def check_run(config: Config, output: Path, named_by: str = "--output-dir", writes=RUN_NAMES):
+    """check_sizes, then the output folder, which the flag `named_by` chose, where the run
+    `writes` these files. ValueError('--flag problem') before any work."""
     check_sizes(config)
     if jax.process_index() > 0:  # process 0 writes for the cluster
         return
@@ -1855,8 +1867,8 @@ def check_run(config: Config, output: Path, named_by: str = "--output-dir") -> N
         raise ValueError(f"{named_by} {output}: {existing} is not a writable folder")
     # A folder where the run writes a file: --resume's and --load's runs found it only when
     # they wrote, after training (a new run's folder refuses one in run_folder).
-    if folders := [path.name for path in run_paths(output) if path.is_dir()]:
-        raise ValueError(f"{named_by} {output}: it holds a folder {folders[0]}, where a run "
+    if folders := [path.name for path in run_paths(output, writes) if path.is_dir()]:
+        raise ValueError(f"{named_by} {output}: it holds a folder {folders[0]}, where this run "
                          "writes a file")  # fmt: skip
 
 
@@ -1904,7 +1916,7 @@ def main(argv: list[str] | None = None) -> None:
                 output = run_folder(output, args.overwrite)  # "": a ValueError, not Path's "."
             output = Path(output)
         config = dataclasses.replace(config, output_dir=str(output))
-        check_run(config, output, named_by)
+        check_run(config, output, named_by, LOAD_NAMES if args.load else RUN_NAMES)
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
         if args.load:  # the saved params must be this env's and network's, one per agent
             check_params(params, network, env, args.load, len(points) * config.num_seeds)
@@ -1969,7 +1981,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.load:
             plot_run(output)
             # --load of a stopped run writes these for its params, which --resume replaces
-            for stale in ("load_summary.json", "render.gif"):
+            for stale in LOAD_NAMES:
                 (output / stale).unlink(missing_ok=True)
             if not stopped:  # a finished run needs no checkpoint
                 (output / CHECKPOINT).unlink(missing_ok=True)

@@ -632,6 +632,7 @@ def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_
     for damage, why in (
         ({"environment": {}}, "KeyError: 'id'"),
         ({"steps_done": -5}, "its steps_done -5 is not a step count up to 1,000"),
+        ({"grid": 5}, "its grid 5 is not a list of grid points"),  # it named no file
     ):
         (out_dir / "summary.json").write_text(json.dumps({**summary, **damage}))
         with pytest.raises(SystemExit) as exit_info:
@@ -918,11 +919,13 @@ def test_scores_with_and_without_a_solved_return():
         assert curve["ci95_low"][0] == low and curve["ci95_high"][0] == high
 
 
-def test_train_without_hparams_trains_with_the_configs(tiny_train, tiny_keys):
-    """train(key) is train(key, config.hparams()), the Config's values as data. (It was checked
-    against train(key, None): the same call.)"""
-    train = jax.jit(tiny_train)
-    default, given = train(tiny_keys[0]), train(tiny_keys[0], TINY.hparams())
+def test_train_without_hparams_trains_with_the_configs(tiny_keys):
+    """train(key) is train(key, config.hparams()), the Config's values as data, for a Config
+    whose hyperparameters are not the defaults. (It was checked against train(key, None), the
+    same call, then with TINY, whose hyperparameters are the defaults.)"""
+    config = dataclasses.replace(TINY, gamma=0.9, learning_rate=1e-3, tau=0.5)
+    train = jax.jit(dqn.make_train(config))
+    default, given = train(tiny_keys[0]), train(tiny_keys[0], config.hparams())
     jax.tree.map(partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-4), default, given)
 
 
@@ -1329,6 +1332,12 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
         (stopped / name).rmdir()
         if moved:
             moved.rename(stopped / name)
+    (stopped / "sweep.png").mkdir()  # a name --load never writes: no reason to refuse
+    with monkeypatch.context() as patch:
+        patch.setattr(dqn, "greedy_episodes", lambda *a, **k: pytest.fail("it played"))
+        with pytest.raises(pytest.fail.Exception, match="it played"):
+            dqn.main(["--load", str(stopped)])
+    (stopped / "sweep.png").rmdir()
     for name in ("load_summary.json", "render.gif"):  # as --load of the stopped run writes
         (stopped / name).write_text("{}")
     dqn.main(["--resume", str(stopped)])
@@ -1372,25 +1381,32 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
 def test_curves_cut_short_are_refused_not_drawn(tmp_path):
     rows = ["seed,step,eval_return,train_return,loss", "0,0,9,,", "0,500,20,15,0.5"]
     rows += ["1,0,8,,", "1,500,30,12,0.4"]
-    summary = {"config": {"num_seeds": 2}}
-    (tmp_path / "curves.csv").write_text("\n".join(rows))
-    assert dqn.read_curves(tmp_path, summary)["step"].shape == (1, 2, 2)
-    (tmp_path / "curves.csv").write_text("\n".join([*rows[:4], "1,1000,30,12,0.4"]))  # mixed
+    path, shape = tmp_path / "curves.csv", (1, 2, -1)  # one grid point, two seeds
+    path.write_text("\n".join([*rows, ""]))  # a blank line: skipped, as csv.DictReader does
+    assert dqn.read_curves(path, shape)["step"].shape == (1, 2, 2)
+    path.write_text("\n".join([*rows[:4], "1,1000,30,12,0.4"]))  # mixed
     with pytest.raises(ValueError, match="the same evaluations for every seed"):
-        dqn.read_curves(tmp_path, summary)
+        dqn.read_curves(path, shape)
     # Seed 0's rows only, a summary edited to one seed (drawn as one seed going back to step
     # 0), no rows (a TypeError deep in matplotlib): each refused, naming the seeds.
     for text, num_seeds in (rows[:3], 2), (rows, 1), (rows[:1], 2):
-        (tmp_path / "curves.csv").write_text("\n".join(text))
+        path.write_text("\n".join(text))
         with pytest.raises(ValueError, match=f"hold the summary's {num_seeds} seeds"):
-            dqn.read_curves(tmp_path, {"config": {"num_seeds": num_seeds}})
+            dqn.read_curves(path, (1, num_seeds, -1))
     for row in "1,500,30,12", "1,500,30,12,0.4,7":  # a value short (read as NaN), one more
-        (tmp_path / "curves.csv").write_text("\n".join([*rows[:4], row]))
+        path.write_text("\n".join([*rows[:4], row]))
         with pytest.raises(ValueError, match=r"^curves.csv: its line 5 has [46] values, not 5$"):
-            dqn.read_curves(tmp_path, summary)
-    (tmp_path / "curves.csv").write_text("\n".join([*rows[:4], "1,500,x,12,0.4"]))  # a text
-    with pytest.raises(ValueError, match="^curves.csv: could not convert string to float: 'x'"):
-        dqn.read_curves(tmp_path, summary)  # it named no file
+            dqn.read_curves(path, shape)
+    # Drawn: seeds in another order (seed 1's curve as seed 0's); a NaN evaluation was an error
+    # in matplotlib, blamed on summary.json (where the figure is drawn); a text named no file.
+    for text, why in (
+        ([rows[0], *rows[3:], *rows[1:3]], "^curves.csv: its rows are not the summary's seeds"),
+        ([*rows[:4], "1,500,nan,12,0.4"], "^curves.csv: an eval_return in it is not a finite"),
+        ([*rows[:4], "1,500,x,12,0.4"], "^curves.csv: could not convert string to float: 'x'"),
+    ):
+        path.write_text("\n".join(text))
+        with pytest.raises(ValueError, match=why):
+            dqn.read_curves(path, shape)
 
 
 def test_load_refuses_params_of_other_agents_than_the_summary_says(tmp_path, capsys):

@@ -780,29 +780,26 @@ def test_replot_of_a_run_with_a_damaged_file_is_one_line(saved_run, tmp_path, da
 
 def test_replot_refuses_saved_files_that_do_not_hold_together(saved_run, tmp_path, capsys):
     """Each was drawn (exit 0) or named no file: curves.csv without seed 1's rows (a band of
-    seed 0's two halves), with a value more than its header names; a summary edited to 1 or 3
-    seeds, or to 2.5; Q-tables of another dtype (numpy's UFuncTypeError)."""
+    seed 0's two halves), or with seed 1's first (drawn as seed 0), or with a value more than
+    its header names; a summary edited to 1 or 3 seeds, or to 2.5; Q-tables of another dtype
+    (numpy's UFuncTypeError)."""
     run = tmp_path / "run"
     shutil.copytree(saved_run[0], run)
     whole = {name: (run / name).read_text() for name in ("summary.json", "curves.csv")}
     header, *rows = whole["curves.csv"].splitlines()
     summary = json.loads(whole["summary.json"])
     seeds = lambda n: json.dumps({**summary, "config": {**summary["config"], "num_seeds": n}})  # noqa: E731
+    no_seed_1 = "\n".join([header, *(row for row in rows if row[0] != "1")])
+    seed_1_first = "\n".join([header, *sorted(rows, key=lambda row: -int(row[0]))])  # same steps
+    bad_table = "q_tables.npy: it holds complex128 (2, 8, 12, 4); the summary: float"
     for name, damaged, why in (
-        (
-            "curves.csv",
-            "\n".join([header, *(r for r in rows if r[0] != "1")]),
-            "curves.csv: its rows ",
-        ),
+        ("curves.csv", no_seed_1, "curves.csv: its rows are not the summary's 2 seeds"),
+        ("curves.csv", seed_1_first, "curves.csv: its rows are not the summary's 2 seeds"),
         ("curves.csv", "\n".join([header, *(r + ",7" for r in rows)]), "curves.csv: its columns "),
         ("summary.json", seeds(1), "q_tables.npy: it holds float32 (2, 8, 12, 4); the summary: "),
         ("summary.json", seeds(3), "q_tables.npy: it holds float32 (2, 8, 12, 4); the summary: "),
         ("summary.json", seeds(2.5), "summary.json: num_seeds 2.5 is not of the type of its "),
-        (
-            "q_tables.npy",
-            None,
-            "q_tables.npy: it holds complex128 (2, 8, 12, 4); the summary: float",
-        ),
+        ("q_tables.npy", None, bad_table),
     ):
         if damaged is None:
             np.save(run / name, np.load(saved_run[0] / name).astype(complex))
