@@ -223,8 +223,8 @@ def epsilon_greedy(q_s: jax.Array, bits: jax.Array, threshold: jax.Array) -> jax
     candidates = explore | (q_s == q_s.max())  # [actions] bool
     count = candidates.sum().astype(jnp.uint32)
     pick = ((bits >> RANDOM_FIELD_BITS) * count) >> RANDOM_FIELD_BITS  # uniform in [0, count)
-    # The pick-th candidate is the number of positions whose running count is still <= pick.
-    return jnp.sum(jnp.cumsum(candidates) <= pick.astype(jnp.int32))
+    rank = jnp.cumsum(candidates) - 1  # [actions] rank of each candidate among the candidates
+    return jnp.argmax(candidates & (rank == pick.astype(jnp.int32))).astype(jnp.int32)
 
 
 def q_learning_update(q, cell, action, reward, terminated, reached, learning_rate, gamma):
