@@ -845,6 +845,14 @@ def plot_run(output: Path) -> None:
         rows |= {"seed": np.arange(config.num_seeds)[:, None], "step": curves["step"][0, 0]}
         if any((curves[name] != value).any() for name, value in rows.items()):
             raise ValueError("its rows are not the summary's grid x seeds, each at the same steps")
+    env = make_env(config.layout)
+    with reading(output / "q_tables.npy") as path:  # its header: the figures draw no table
+        tables = np.lib.format.open_memmap(path, mode="r")
+        expected = (len(points), config.num_seeds, env.rows, env.cols, NUM_ACTIONS)
+        if tables.shape != expected or tables.dtype.kind != "f":
+            raise ValueError(
+                f"it holds {tables.dtype} {tables.shape}; the summary: float {expected}"
+            )
     with reading(output / "summary.json"):  # the figures read the rest of it
         heatmap, learning = plot_heatmap(summary), plot_curves(summary, curves)
     save_figure(heatmap, output / "sweep_heatmap.png")

@@ -640,6 +640,13 @@ def test_cli_happy_path(tmp_path):
         with pytest.raises(ValueError, match=f"^{re.escape(why)}"):
             pq.plot_run(output)
         (output / name).write_text(whole[name])
+    # Q-tables that are not the run's: required, and never read (their header is read now)
+    tables = np.load(output / "q_tables.npy")
+    for damaged, why in (tables.astype(complex), "complex128"), (tables[:1], "float32 (1, 3"):
+        np.save(output / "q_tables.npy", damaged)
+        with pytest.raises(ValueError, match=f"^q_tables.npy: it holds {re.escape(why)}"):
+            pq.plot_run(output)
+    np.save(output / "q_tables.npy", tables)
     # A curves.csv with its header only: one line that names it (numpy's warning came first).
     (output / "curves.csv").write_text((output / "curves.csv").read_text().splitlines()[0])
     done = subprocess.run(replot, capture_output=True, text=True, check=False)
