@@ -926,6 +926,7 @@ def written_whole():
     then ends the script."""
     with signals_held() as caught:
         yield
+    caught = RECEIVED + caught  # RECEIVED: one whose exception was dropped (stop_if_received)
     if caught:
         print(f"dqn_cartpole.py: stopped by {SIGNALS[caught[0]]} once the run was written whole",
               file=sys.stderr)  # fmt: skip
@@ -1525,6 +1526,7 @@ class StopRequest:
     signal (130, 143, 129); a second Ctrl-C stops at once."""
 
     def __enter__(self):
+        stop_if_received()  # from here on, a signal's handler raises nothing
         self.signum = None
         self.previous = {signum: signal.signal(signum, self.ask) for signum in catchable()}
         return self
@@ -2060,11 +2062,23 @@ class Stopped(BaseException):
     `except Exception` (JAX has some) must not swallow it."""
 
 
+RECEIVED: list[int] = []  # the signals stop() was called for
+
+
 def stop(signum, frame):
+    RECEIVED.append(signum)  # its exception may yet be dropped: stop_if_received
     # A second SIGTERM or SIGHUP (a hang-up sends two) must not cut the cleanup short.
     for other in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(other, ignore)
-    raise Stopped(signum)
+    raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
+
+
+def stop_if_received() -> None:
+    """C code that clears errors drops the exception a signal's handler raised while it ran
+    (JAX's first import of its MLIR dialects does), and the run went on: such a signal stops the
+    run here, before training, or once it is written whole (written_whole)."""
+    if RECEIVED:
+        stop(RECEIVED[0], None)
 
 
 def ignore(signum, frame):
@@ -2138,9 +2152,8 @@ if __name__ == "__main__":
     if "DQN_CARTPOLE_WATCHED" not in os.environ and rank(sys.argv[1:]) > 0:
         sys.exit(watch(sys.argv[1:]))
     sys.unraisablehook = send_again  # before any handler that raises
-    for signum in catchable():  # nohup's SIGHUP stays ignored; Ctrl-C keeps Python's own
-        if signum != signal.SIGINT:
-            signal.signal(signum, stop)
+    for signum in catchable():  # nohup's SIGHUP stays ignored
+        signal.signal(signum, stop)
     # Figures go to files, with Agg: a notebook's `!python` passes on its own MPLBACKEND, which
     # may not load here (matplotlib would not even import). Set here, not for an importer.
     os.environ["MPLBACKEND"] = "Agg"

@@ -606,6 +606,7 @@ def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
     grid = hparam_grid(config)
     start = time.perf_counter()
     compiled = sweep.lower(keys, grid).compile()
+    stop_if_received()
     compile_time = time.perf_counter() - start
     start = clock["start"] = time.perf_counter()
     try:
@@ -745,6 +746,7 @@ def written_whole():
     then ends the script."""
     with signals_held() as caught:
         yield
+    caught = RECEIVED + caught  # RECEIVED: one whose exception was dropped (stop_if_received)
     if caught:
         fail(f"stopped by {SIGNALS[caught[0]]} once the run was written whole", 128 + caught[0])
 
@@ -1466,11 +1468,19 @@ RECEIVED: list[int] = []  # the signals stop() was called for
 
 
 def stop(signum, frame):
-    RECEIVED.append(signum)
+    RECEIVED.append(signum)  # its exception may yet be dropped: stop_if_received
     # A second SIGTERM or SIGHUP (a hang-up sends two) must not cut the cleanup short.
     for other in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(other, ignore)
     raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
+
+
+def stop_if_received() -> None:
+    """C code that clears errors drops the exception a signal's handler raised while it ran
+    (JAX's first import of its MLIR dialects does), and the run went on: such a signal stops the
+    run here, before training, or once it is written whole (written_whole)."""
+    if RECEIVED:
+        stop(RECEIVED[0], None)
 
 
 def ignore(signum, frame):

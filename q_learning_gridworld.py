@@ -432,6 +432,7 @@ def train_seeds(train, seed: int, num_seeds: int, batch_size: int | None = None)
     keys = make_keys()
     start = time.perf_counter()
     compiled = run.lower(keys).compile()
+    stop_if_received()
     compiled_at = time.perf_counter()
     out = wait(compiled(keys))
     timings = {
@@ -630,6 +631,7 @@ def written_whole():
     then ends the script."""
     with signals_held() as caught:
         yield
+    caught = RECEIVED + caught  # RECEIVED: one whose exception was dropped (stop_if_received)
     if caught:
         fail(f"stopped by {SIGNALS[caught[0]]} once the run was written whole", 128 + caught[0])
 
@@ -1115,11 +1117,23 @@ class Stopped(BaseException):
     `except Exception` (JAX has some) must not swallow it."""
 
 
+RECEIVED: list[int] = []  # the signals stop() was called for
+
+
 def stop(signum, frame):
+    RECEIVED.append(signum)  # its exception may yet be dropped: stop_if_received
     # A second SIGTERM or SIGHUP (a hang-up sends two) must not cut the cleanup short.
     for other in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(other, ignore)
-    raise Stopped(signum)
+    raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
+
+
+def stop_if_received() -> None:
+    """C code that clears errors drops the exception a signal's handler raised while it ran
+    (JAX's first import of its MLIR dialects does), and the run went on: such a signal stops the
+    run here, before training, or once it is written whole (written_whole)."""
+    if RECEIVED:
+        stop(RECEIVED[0], None)
 
 
 def ignore(signum, frame):
@@ -1144,9 +1158,8 @@ def send_again(unraisable) -> None:
 
 if __name__ == "__main__":
     sys.unraisablehook = send_again  # before any handler that raises
-    for signum in catchable():  # nohup's SIGHUP stays ignored; Ctrl-C keeps Python's own
-        if signum != signal.SIGINT:
-            signal.signal(signum, stop)
+    for signum in catchable():  # nohup's SIGHUP stays ignored
+        signal.signal(signum, stop)
     # Figures go to files, with Agg: a notebook's `!python` passes on its own MPLBACKEND, which
     # may not load here (matplotlib would not even import). Set here, not for an importer.
     os.environ["MPLBACKEND"] = "Agg"

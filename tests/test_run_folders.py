@@ -180,6 +180,7 @@ def test_sigterm_and_sighup_at_once_stop_the_script_once(script, monkeypatch):
     with a traceback, when the first handler had set the other to SIG_IGN)."""
     printed = []
     monkeypatch.setattr(sys, "unraisablehook", printed.append)  # where Python prints that
+    monkeypatch.setattr(script, "RECEIVED", [])  # what stop() notes, this test's own
     both = {signal.SIGTERM, signal.SIGHUP}
     saved = {signum: signal.getsignal(signum) for signum in both}
     try:
@@ -195,6 +196,7 @@ def test_sigterm_and_sighup_at_once_stop_the_script_once(script, monkeypatch):
         for signum, handler in saved.items():
             signal.signal(signum, handler)
     assert not printed, printed[0].exc_value
+    assert len(script.RECEIVED) == 1, script.RECEIVED
 
 
 def test_a_signal_while_writing_waits_until_the_run_is_written(script, tmp_path):
@@ -303,20 +305,40 @@ def test_a_signal_handled_in_a_garbage_collector_callback_still_stops_the_run(
     assert_stopped_before_any_work(script, result, signum, output)
 
 
-def run_signalled_from_a_gc_callback(argv: list[str], signum: int, now: str):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["Ctrl-C", "SIGTERM"])
+def test_a_signal_whose_exception_was_dropped_still_stops_the_run(script, tmp_path, signum):
+    """C code that clears errors drops the exception a signal's handler raised while it ran: the
+    run went on to its end, exit 0. The test above did so about once in 70 runs, where the signal
+    sent again landed in JAX's first import of its MLIR dialects. Now the run stops before
+    training. Here the garbage-collector callback that sends the signal drops it itself."""
+    output = tmp_path / "run"
+    argv = [script.__file__, *shlex.split(SHORT_RUNS[script]), "--output-dir", str(output)]
+    handlers = 'getattr(signal.getsignal(signal.SIGTERM), "__name__", "") == "stop"'
+    result = run_signalled_from_a_gc_callback(argv, signum, handlers, drop=True)
+    assert_stopped_before_any_work(script, result, signum, output)
+
+
+def run_signalled_from_a_gc_callback(argv: list[str], signum: int, now: str, drop=False):
     """Runs argv (a script and its flags) as __main__ in a fresh Python, which sends itself
-    signum from a garbage-collector callback, once, the first time the expression `now` holds."""
+    signum from a garbage-collector callback, once, the first time the expression `now` holds
+    (and drops the exception its handler raises, with drop). It prints "sent" when it has."""
+    # Its handler runs here, in the callback.
+    send = sending(f"os.kill(os.getpid(), {int(signum)})", drop)
     code = f"""import gc, os, runpy, signal, sys
 def send(phase, info):
     if {now} and not sent:
-        sent.append(os.getpid())
-        os.kill(os.getpid(), {int(signum)})  # its handler runs here, in the callback
+        sent.append(os.write(1, b"sent\\n"))
+        {send}
 sent = []
 gc.callbacks.append(send)
 sys.argv = {argv!r}
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert "sent" in result.stdout.splitlines(), (result.returncode, result.stderr[-2000:])
+    return result
 
 
 def test_a_signal_once_the_run_has_ended_has_its_default_effect(script, tmp_path):
@@ -345,21 +367,61 @@ def test_a_signal_once_training_has_ended_waits_until_the_run_is_written(script,
     first_after_training = "summarize_grid" if script is parallel_q_learning else "summarize"
     output = tmp_path / "run"
     argv = [script.__file__, *shlex.split(SHORT_RUNS[script]), "--output-dir", str(output)]
+    result = run_signalled_as_called(argv, first_after_training)
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 128 + signal.SIGTERM, (result.returncode, err)
+    assert err[-1].endswith(": stopped by SIGTERM once the run was written whole"), err
+    assert all((output / name).is_file() for name in script.RUN_FILES), sorted(output.iterdir())
+
+
+def test_a_signal_dropped_once_training_has_begun_stops_the_run_once_written(script, tmp_path):
+    """A signal whose exception C code dropped (see above) after the check before training: the
+    run goes on, but exits as stopped by the signal once it is written whole, not 0. Here it is
+    sent and dropped as the run waits for its training (the tabular scripts' compiled call), or
+    as --load's evaluation is traced (the DQN trains inside written_whole, whose handlers raise
+    nothing)."""
+    output = tmp_path / "run"
+    argv = [script.__file__, *shlex.split(SHORT_RUNS[script]), "--output-dir", str(output)]
+    function, written = "wait", script.RUN_FILES
+    if script is dqn_cartpole:
+        subprocess.run([sys.executable, *argv], capture_output=True, check=True)  # main() would
+        # keep its folder locked
+        argv, function = [script.__file__, "--load", str(output)], "greedy_episodes"
+        written = ["load_summary.json"]
+    result = run_signalled_as_called(argv, function, drop=True)
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 128 + signal.SIGTERM, (result.returncode, err)
+    assert err[-1].endswith(": stopped by SIGTERM once the run was written whole"), err
+    assert all((output / name).is_file() for name in written), sorted(output.iterdir())
+
+
+def run_signalled_as_called(argv: list[str], function: str, drop=False):
+    """Runs argv (a script and its flags) as __main__ in a fresh Python, which sends itself a
+    SIGTERM as the script first calls `function` (and drops the exception its handler raises,
+    with drop). It prints "sent" when it has."""
+    send = sending("os.kill(os.getpid(), signal.SIGTERM)", drop)
     code = f"""import os, runpy, signal, sys
 def send(frame, event, arg):
-    if event == "call" and frame.f_code.co_name == {first_after_training!r} and \\
+    if event == "call" and frame.f_code.co_name == {function!r} and \\
             frame.f_globals.get("__name__") == "__main__":
         sys.setprofile(None)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.write(1, b"sent\\n")
+        {send}
 sys.setprofile(send)
 sys.argv = {argv!r}
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    err = result.stderr.strip().splitlines()
-    assert result.returncode == 128 + signal.SIGTERM, (result.returncode, err)
-    assert err[-1].endswith(": stopped by SIGTERM once the run was written whole"), err
-    assert all((output / name).is_file() for name in script.RUN_FILES), sorted(output.iterdir())
+    assert "sent" in result.stdout.splitlines(), (result.returncode, result.stderr[-2000:])
+    return result
+
+
+def sending(statement: str, drop: bool) -> str:
+    """`statement` (it sends a signal) as the test's code runs it, in an `if` in a function; with
+    drop, in a `try` that drops what its handler raises, as C code that clears errors does."""
+    if not drop:
+        return statement
+    return f"try:\n            {statement}\n        except BaseException:\n            pass"
 
 
 def test_a_signal_while_a_cluster_watcher_loads_jax_reaches_its_child(script, tmp_path):
