@@ -856,7 +856,7 @@ def plot_run(output: Path) -> None:
                 f"it holds {tables.dtype} {tables.shape}; the summary: float {expected}"
             )
     with reading(output / "summary.json"):  # the figures read the rest of it
-        heatmap, learning = plot_heatmap(summary), plot_curves(summary, curves)
+        heatmap, learning = plot_heatmap(summary), plot_curves(summary, curves, env.num_cells)
     save_figure(heatmap, output / "sweep_heatmap.png")
     save_figure(learning, output / "learning_curves.png")
 
@@ -921,8 +921,9 @@ def plot_heatmap(summary: dict):
     return fig
 
 
-def plot_curves(summary: dict, curves: dict):
-    """Greedy path length during training, mean and 95% CI band across seeds, per grid point."""
+def plot_curves(summary: dict, curves: dict, num_cells: int):
+    """Greedy path length during training, mean and 95% CI band across seeds, per grid point
+    (num_cells: the length of a path that never arrives)."""
     import matplotlib.pyplot as plt
 
     config = summary["config"]
@@ -931,7 +932,7 @@ def plot_curves(summary: dict, curves: dict):
     half = np.zeros_like(mean)
     if num_seeds > 1:
         half = Z_95 * lengths.std(axis=1, ddof=1) / math.sqrt(num_seeds)
-    gammas, cells = config["gammas"], make_env(config["layout"]).num_cells
+    gammas = config["gammas"]
     texts = {name: apart(config[f"{name}s"]) for name in ("learning_rate", "epsilon", "gamma")}
     per_panel = len(summary["grid"]) // len(gammas)  # lines
     crowded = per_panel >= 9  # the legend goes below; beyond 30 lines it names none of them
@@ -939,7 +940,7 @@ def plot_curves(summary: dict, curves: dict):
     fig, axes = plt.subplots(1, len(gammas), figsize=size, squeeze=False, layout="constrained")
     fig.suptitle(
         f"greedy path length from S: mean, 95% CI band over {plural(num_seeds, 'seed')}\n"
-        f"(a path that never reaches G is drawn at the cell count, {cells})"
+        f"(a path that never reaches G is drawn at the cell count, {num_cells})"
     )
     for g, row in enumerate(summary["grid"]):
         ax = axes[0][gammas.index(row["gamma"])]
