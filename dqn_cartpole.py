@@ -923,10 +923,10 @@ def signals_held():
 @contextlib.contextmanager
 def written_whole():
     """A run's files are written whole: a Ctrl-C, SIGTERM or SIGHUP that comes meanwhile waits,
-    then ends the script."""
+    then ends the script, as does one whose exception was dropped earlier (RECEIVED)."""
     with signals_held() as caught:
         yield
-    caught = RECEIVED + caught  # RECEIVED: one whose exception was dropped (stop_if_received)
+    caught = RECEIVED + caught  # stop() took one, yet the run is here: its exception was dropped
     if caught:
         print(f"dqn_cartpole.py: stopped by {SIGNALS[caught[0]]} once the run was written whole",
               file=sys.stderr)  # fmt: skip
@@ -1526,7 +1526,6 @@ class StopRequest:
     signal (130, 143, 129); a second Ctrl-C stops at once."""
 
     def __enter__(self):
-        stop_if_received()  # from here on, a signal's handler raises nothing
         self.signum = None
         self.previous = {signum: signal.signal(signum, self.ask) for signum in catchable()}
         return self
@@ -1948,6 +1947,7 @@ def main(argv: list[str] | None = None) -> None:
     obs_size = jax.eval_shape(env.reset, jax.random.key(0))[0].size
     environment = {"id": env_id, "obs_size": obs_size, "num_actions": env.num_actions}
     environment["solved_return"] = solved
+    stop_if_received()
     if args.load:  # fresh greedy episodes of the saved params; agent i plays split(key)[i]
         play = partial(greedy_episodes, env=env, network=network, num_episodes=config.eval_episodes)
         keys = jax.random.split(jax.random.key(config.seed), jax.tree.leaves(params)[0].shape[0])
@@ -2074,9 +2074,9 @@ def stop(signum, frame):
 
 
 def stop_if_received() -> None:
-    """C code that clears errors drops the exception a signal's handler raised while it ran
-    (JAX's first import of its MLIR dialects does), and the run went on: such a signal stops the
-    run here, before training, or once it is written whole (written_whole)."""
+    """Raises again the first signal stop() took: C code that clears errors (JAX's first import
+    of its MLIR dialects) may have dropped its exception, and the run gone on. Called before
+    training; written_whole checks RECEIVED after it."""
     if RECEIVED:
         stop(RECEIVED[0], None)
 

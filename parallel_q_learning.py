@@ -615,8 +615,7 @@ def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
         # Every agent's result on every process, also the shards other processes computed.
         result = multihost_utils.process_allgather(result, tiled=True)
     except (jax.errors.JaxRuntimeError, ValueError) as error:
-        if RECEIVED:  # handled inside on_point, a signal ends the compiled call with this error
-            stop(RECEIVED[0], None)  # raises it again, for main's one line
+        stop_if_received()  # handled inside on_point, a signal ends the call with this error
         fail(f"another process of the cluster stopped ({str(error).splitlines()[0][:160]})", 1)
     timings = {
         "compile_time_s": compile_time,
@@ -743,10 +742,10 @@ def signals_held():
 @contextlib.contextmanager
 def written_whole():
     """A run's files are written whole: a Ctrl-C, SIGTERM or SIGHUP that comes meanwhile waits,
-    then ends the script."""
+    then ends the script, as does one whose exception was dropped earlier (RECEIVED)."""
     with signals_held() as caught:
         yield
-    caught = RECEIVED + caught  # RECEIVED: one whose exception was dropped (stop_if_received)
+    caught = RECEIVED + caught  # stop() took one, yet the run is here: its exception was dropped
     if caught:
         fail(f"stopped by {SIGNALS[caught[0]]} once the run was written whole", 128 + caught[0])
 
@@ -923,7 +922,7 @@ def plot_heatmap(summary: dict):
 
 def plot_curves(summary: dict, curves: dict, num_cells: int):
     """Greedy path length during training, mean and 95% CI band across seeds, per grid point
-    (num_cells: the length of a path that never arrives)."""
+    (num_cells: the length of a path that never reaches G)."""
     import matplotlib.pyplot as plt
 
     config = summary["config"]
@@ -1378,6 +1377,7 @@ def main(argv: list[str] | None = None) -> None:
         remove_if_empty(output)
         raise
     if jax.process_index() > 0:  # process 0 reports and writes the results of every process
+        stop_if_received()  # as written_whole does for process 0
         return
     # From the end of training, a signal waits until the run is written: no trained run is lost.
     with written_whole():
@@ -1422,10 +1422,10 @@ def main(argv: list[str] | None = None) -> None:
         with replacing(output):  # the run --overwrite replaces stays till now
             save_run(output, summary, config, result)
             plot_run(output)
-    print(
-        f"wrote {', '.join(RUN_FILES)}, sweep_heatmap.png, learning_curves.png to {output}/, "
-        f"wall {summary['wall_time_s']:.1f} s"
-    )
+        print(
+            f"wrote {', '.join(RUN_FILES)}, sweep_heatmap.png, learning_curves.png to {output}/, "
+            f"wall {summary['wall_time_s']:.1f} s"
+        )
 
 
 class BestEffortStream:
@@ -1477,9 +1477,9 @@ def stop(signum, frame):
 
 
 def stop_if_received() -> None:
-    """C code that clears errors drops the exception a signal's handler raised while it ran
-    (JAX's first import of its MLIR dialects does), and the run went on: such a signal stops the
-    run here, before training, or once it is written whole (written_whole)."""
+    """Raises again the first signal stop() took: C code that clears errors (JAX's first import
+    of its MLIR dialects) may have dropped its exception, and the run gone on. Called before
+    training; written_whole checks RECEIVED after it."""
     if RECEIVED:
         stop(RECEIVED[0], None)
 

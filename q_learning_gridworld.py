@@ -628,10 +628,10 @@ def signals_held():
 @contextlib.contextmanager
 def written_whole():
     """A run's files are written whole: a Ctrl-C, SIGTERM or SIGHUP that comes meanwhile waits,
-    then ends the script."""
+    then ends the script, as does one whose exception was dropped earlier (RECEIVED)."""
     with signals_held() as caught:
         yield
-    caught = RECEIVED + caught  # RECEIVED: one whose exception was dropped (stop_if_received)
+    caught = RECEIVED + caught  # stop() took one, yet the run is here: its exception was dropped
     if caught:
         fail(f"stopped by {SIGNALS[caught[0]]} once the run was written whole", 128 + caught[0])
 
@@ -1076,8 +1076,8 @@ def main(argv: list[str] | None = None) -> None:
         with replacing(output_dir):  # the run --overwrite replaces stays till now
             save_run(output_dir, summary, out)
             figure_path = plot_run(output_dir)
-    print(f"wrote {', '.join(RUN_FILES)} and {figure_path.name} to {output_dir}/; "
-          f"wall {summary['wall_time_s']:.1f} s")  # fmt: skip
+        print(f"wrote {', '.join(RUN_FILES)} and {figure_path.name} to {output_dir}/; "
+              f"wall {summary['wall_time_s']:.1f} s")  # fmt: skip
 
 
 class BestEffortStream:
@@ -1129,9 +1129,9 @@ def stop(signum, frame):
 
 
 def stop_if_received() -> None:
-    """C code that clears errors drops the exception a signal's handler raised while it ran
-    (JAX's first import of its MLIR dialects does), and the run went on: such a signal stops the
-    run here, before training, or once it is written whole (written_whole)."""
+    """Raises again the first signal stop() took: C code that clears errors (JAX's first import
+    of its MLIR dialects) may have dropped its exception, and the run gone on. Called before
+    training; written_whole checks RECEIVED after it."""
     if RECEIVED:
         stop(RECEIVED[0], None)
 

@@ -40,7 +40,11 @@ class Stopped(BaseException):
     swallow it."""
 
 
+RECEIVED: list[int] = []  # the signals stop() was called for
+
+
 def stop(signum, frame):
+    RECEIVED.append(signum)  # C code that clears errors may drop its exception: run() looks
     for other in SIGNALS:  # a second one (a process group's, a hang-up's two) must not cut the
         if signal.getsignal(other) is stop:  # way out short
             signal.signal(other, ignore)
@@ -105,6 +109,8 @@ def run(main: Callable[[], None]) -> None:
         try:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # one that came raises here
             main()
+            if RECEIVED:  # its exception was dropped (JAX's first import of its MLIR dialects
+                raise Stopped(RECEIVED[0])  # drops one), and main() went on to its end
         finally:  # ended or failed: one that comes from now on waits for the defaults below
             signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     except Stopped as stopped:
