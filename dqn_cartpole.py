@@ -1951,11 +1951,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.load:  # fresh greedy episodes of the saved params; agent i plays split(key)[i]
         play = partial(greedy_episodes, env=env, network=network, num_episodes=config.eval_episodes)
         keys = jax.random.split(jax.random.key(config.seed), jax.tree.leaves(params)[0].shape[0])
-        try:
-            returns = np.asarray(jax.jit(jax.vmap(lambda k, p: play(k, p).mean()))(keys, params))
-        except BaseException:  # stopped: leave no empty folder
-            remove_if_empty(output)
-            raise
+        returns = np.asarray(jax.jit(jax.vmap(lambda k, p: play(k, p).mean()))(keys, params))
         extra, stopped = {"loaded_from": str(Path(args.load).resolve())}, None
     # From the end of training (run_training handles signals until then), a signal waits until
     # the run is written: no moment between the two where it would lose the trained run.
@@ -2164,13 +2160,15 @@ if __name__ == "__main__":
         try:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # any that came as JAX loaded
             main()
+        except BaseException:  # stopped or failed before the run saved anything: no empty folder
+            for folder in LOCKED:
+                remove_if_empty(folder)
+            raise
         finally:  # one that comes from now on waits for the defaults below
             signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     except (KeyboardInterrupt, Stopped) as interrupt:
         for signum in SIGNALS:  # a second signal (a process group's, say) must not cut this line
             signal.signal(signum, ignore)
-        for folder in LOCKED:  # stopped before the run saved anything: no empty folder left
-            remove_if_empty(folder)
         signum = interrupt.args[0] if isinstance(interrupt, Stopped) else signal.SIGINT
         unfinished = "unfinished; no file half-written"
         kept = [folder for folder in LOCKED if (folder / CHECKPOINT).exists()]

@@ -616,6 +616,8 @@ def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
         result = multihost_utils.process_allgather(result, tiled=True)
     except (jax.errors.JaxRuntimeError, ValueError) as error:
         stop_if_received()  # handled inside on_point, a signal ends the call with this error
+        if jax.process_count() == 1:  # its own error (out of memory, say), not a cluster's
+            raise
         fail(f"another process of the cluster stopped ({str(error).splitlines()[0][:160]})", 1)
     timings = {
         "compile_time_s": compile_time,

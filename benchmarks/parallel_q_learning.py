@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
             epsilons=(0.1,),
             output_dir=args.output_dir,
         )
-        pq.validate(largest, pq.make_schedule(largest))
+        _, folder = pq.validate(largest, pq.make_schedule(largest))  # it makes the folder
+        args.output_dir = str(folder)  # with {time} filled in
         single_agent_config(args)
         with tempfile.TemporaryFile(dir=args.output_dir):  # os.access lets root "write" to /proc
             pass

@@ -801,15 +801,19 @@ def test_benchmark_bad_flag_is_one_line(capsys):
 
 @pytest.mark.cpu_devices
 def test_benchmark_runs_at_a_tiny_size(tmp_path):
-    output = tmp_path / "bench"
+    """Into a folder named with {time}, as the scripts' (it was checked as the time filled in,
+    that folder made and left empty, and then the results written to a folder named "{time}")."""
     argv = [
-        sys.executable, str(BENCHMARK), "--output-dir", str(output), "--max-agents", "4",
+        sys.executable, str(BENCHMARK), "--output-dir", str(tmp_path / "bench_{time}"),
+        "--max-agents", "4",
         "--agent-steps", "4000", "--numpy-steps", "200", "--repeats", "1",
         "--yardstick-timesteps", "100", "--yardstick-agents", "4",
     ]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, check=False, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "/ yardstick:" in done.stdout, done.stdout
+    [output] = tmp_path.iterdir()
+    assert output.name.startswith("bench_20"), output  # bench_YYYY-MM-DD_HH-MM-SS
     bench = json.loads((output / "benchmark.json").read_text())
     methods = {(r["method"], r["devices"], r["agents"]) for r in bench["rows"]}
     assert {
@@ -995,3 +999,15 @@ def test_a_current_folder_that_was_deleted_is_one_line(tmp_path):
         result = subprocess.run(command, capture_output=True, text=True)
         err = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(err) == 1 and "--output-dir" in err[0], err
+
+
+def test_an_error_of_a_run_of_one_process_is_its_own_not_a_clusters(tmp_path, capsys):
+    """A failure of the compiled call in a run of one process (a GPU out of memory, say; here a
+    transfer guard that forbids passing the grid to it) was reported as "another process of the
+    cluster stopped". It is JAX's own error now, and the run's folder goes."""
+    output = tmp_path / "made" / "run"
+    argv = ["--num-seeds", "2", "--total-timesteps", "2000", "--output-dir", str(output)]
+    with jax.transfer_guard("disallow"), pytest.raises(jax.errors.JaxRuntimeError) as error:
+        pq.main(argv)
+    assert "Disallowed host-to-device transfer" in str(error.value)
+    assert "cluster" not in capsys.readouterr().err and not (tmp_path / "made").exists()

@@ -396,6 +396,28 @@ def test_a_signal_dropped_once_training_has_begun_stops_the_run_once_written(scr
     assert all((output / name).is_file() for name in written), sorted(output.iterdir())
 
 
+def test_an_error_while_training_leaves_no_empty_folder(script, tmp_path):
+    """A run that fails as it trains (JAX_DEBUG_NANS=1 did in the DQN, whose metrics hold NaN for
+    a block without an episode) ends with its traceback, and the folder made for it goes, as a
+    stopped run's does: the DQN left it empty. Here a profile function of the test's own raises
+    as training begins."""
+    first = {q_learning_gridworld: "train_seeds", parallel_q_learning: "run_sweep"}
+    output = tmp_path / "made" / "run"
+    argv = [script.__file__, *shlex.split(SHORT_RUNS[script]), "--output-dir", str(output)]
+    code = f"""import runpy, sys
+def fail(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == {first.get(script, "train_agents")!r}:
+        raise RuntimeError("the test's own")
+sys.setprofile(fail)
+sys.argv = {argv!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and err[-1] == "RuntimeError: the test's own", err[-3:]
+    assert not (tmp_path / "made").exists()
+
+
 def run_signalled_as_called(argv: list[str], function: str, drop=False):
     """Runs argv (a script and its flags) as __main__ in a fresh Python, which sends itself a
     SIGTERM as the script first calls `function` (and drops the exception its handler raises,
