@@ -81,8 +81,8 @@ def main():
     args = parser.parse_args()
     if args.timesteps >= 2**31:  # the loop counter is int32
         parser.error(f"--timesteps: must be below 2^31, got {args.timesteps}")
-    if args.num_agents < 0:
-        parser.error(f"--num-agents: must be at least 0, got {args.num_agents}")
+    if not 0 <= args.num_agents < 2**31:  # a count JAX's shapes hold
+        parser.error(f"--num-agents: must be from 0 to 2^31 - 1, got {args.num_agents}")
 
     train = make_train(args.timesteps)
     fn = jax.jit(jax.vmap(train) if args.num_agents else train)

@@ -33,6 +33,9 @@ BAD = {  # benchmark and arguments: the flag its one line must name
     # Refused before allocating (8 GB of keys, then a traceback or the machine's memory gone)
     "article_q_learning.py --timesteps 100 --num-agents 1000000000": "--num-agents",
     "article_dqn.py --timesteps 100 --num-agents 1000000000": "--num-agents",
+    # More agents than JAX's shapes hold (a C++ abort, exit 134; a traceback at 2^63)
+    "article_q_learning.py --timesteps 100 --num-agents 10000000000000000": "from 0 to 2^31 - 1",
+    "article_dqn.py --timesteps 100 --num-agents 9223372036854775808": "from 0 to 2^31 - 1",
     # The DQN's refusals, as one line naming our flags (each was a traceback)
     "dqn_segments.py --seeds 2 --timesteps 1 --repeats 1": "--timesteps",
     "dqn_segments.py --seeds 10000000 --timesteps 600 --repeats 1": "--seeds",  # it ran
