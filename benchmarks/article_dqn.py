@@ -152,6 +152,7 @@ def main():
         parser.error(f"--timesteps: must be below 2^31, got {args.timesteps}")
     if not 0 <= args.num_agents < 2**31:  # a count JAX's shapes hold
         parser.error(f"--num-agents: must be from 0 to 2^31 - 1, got {args.num_agents}")
+    cli.check_backend()
 
     train = make_train(args.timesteps)
     fn = jax.jit(jax.vmap(train) if args.num_agents else train)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax, random
 
+cli.check_backend()  # before the article's constants below go to a device
 ROWS, COLS, N_ACTIONS = 8, 12, 4
 START = jnp.array([7, 11])
 GOAL = jnp.array([0, 0])

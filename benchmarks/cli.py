@@ -194,6 +194,27 @@ def check_fits(compiled, flags: str) -> None:
         fail(f"{flags}: about {need / 2**30:,.1f} GiB, more than half the memory")
 
 
+def check_backend() -> None:
+    """One line, before any measurement, as in the three scripts: JAX_PLATFORMS naming a platform
+    this machine lacks or XLA_FLAGS asking for no CPU device (a traceback at JAX's first use of a
+    device), and JAX_DISABLE_JIT (the benchmarks measure compiled code). For the benchmarks that
+    run JAX in their own process; JAX's plugins load here, and drop a signal's exception: held."""
+    import jax
+
+    if jax.config.jax_disable_jit:
+        fail("JAX_DISABLE_JIT: the benchmarks measure compiled code; unset it")
+    with held():
+        try:
+            jax.devices()
+        except Exception as error:  # a RuntimeError, or an AssertionError for a missing cuda
+            given = [f"{name}={os.environ[name]!r}" for name in ("JAX_PLATFORMS", "XLA_FLAGS")
+                     if os.environ.get(name)]  # fmt: skip
+            if not given:  # neither: JAX's own error, as it is
+                raise
+            detail = str(error).splitlines()[0][:200] if str(error) else "no platform started"
+            fail(f"{', '.join(given)}: no JAX backend ({detail})")
+
+
 def parser(doc: str) -> argparse.ArgumentParser:
     """An ArgumentParser described by the first line of `doc`, defaults in --help; its errors
     are one line, exit 2."""

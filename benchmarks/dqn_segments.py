@@ -75,6 +75,7 @@ def main() -> None:
     every_help = "steps between the blocks' checkpoints (the command line's default)"
     parser.add_argument("--checkpoint-every", type=cli.count, default=25_000, help=every_help)
     args = parser.parse_args()
+    cli.check_backend()
     env = dqn.CartPole()
     try:  # what the DQN refuses (its flags are ours here), before any run
         config = dataclasses.replace(

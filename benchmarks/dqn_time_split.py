@@ -193,6 +193,7 @@ def main() -> None:
     parser.set_defaults(repeats=None)  # parsed again: None if --repeats was left out
     if args.profile and parser.parse_args().repeats is not None:
         parser.error("--profile times one traced call; leave out --repeats")
+    cli.check_backend()
     shape = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), args.agents))
     functions = {}
     for name, f in parts(args.steps).items():

@@ -209,6 +209,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    cli.check_backend()
     env = pq.make_env(pq.DEFAULT_LAYOUT)
     if args.max_agents < jax.device_count():  # the ratios compare runs of an agent a device
         cli.fail(f"--max-agents: at least one per device ({jax.device_count()})")

@@ -50,6 +50,7 @@ def main() -> None:
         config = qlg.Config(total_timesteps=args.timesteps)
     except ValueError as error:  # the script's own limits, under this command's flag
         parser.error(f"--timesteps: {error}")
+    cli.check_backend()
     train = jax.jit(qlg.make_train(config))
     key = jax.random.key(0)
     start = time.perf_counter()

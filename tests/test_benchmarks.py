@@ -204,6 +204,39 @@ def test_a_signal_whose_exception_was_dropped_still_stops_a_benchmark(tmp_path):
     assert err == ["benchmarks/dropped.py: stopped by SIGTERM"], result
 
 
+IN_PROCESS = ["article_dqn.py", "article_q_learning.py", "dqn_segments.py", "dqn_time_split.py",
+              "parallel_q_learning.py", "q_learning_gridworld.py"]  # fmt: skip
+
+
+def test_a_jax_setting_this_machine_cannot_run_is_one_line():
+    """The benchmarks that run JAX in their own process, under a platform JAX cannot start, no
+    CPU device, or JAX_DISABLE_JIT: a traceback (or runs that never ended, uncompiled), where
+    the scripts say it in one line. Now they do too, naming the setting, before any run."""
+    settings = {
+        "JAX_PLATFORMS": "nosuchplatform",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=0",
+        "JAX_DISABLE_JIT": "1",
+    }
+    runs = {}
+    for script in IN_PROCESS:
+        for name, value in settings.items():
+            runs[script, name] = subprocess.Popen(
+                [sys.executable, str(BENCHMARKS / script)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env={**os.environ, name: value}, start_new_session=True,
+            )  # fmt: skip
+    try:
+        for (script, name), run in runs.items():
+            out, err = run.communicate(timeout=120)
+            lines = err.strip().splitlines()
+            one_line = run.returncode == 2 and len(lines) == 1 and f"{name}" in lines[0]
+            assert one_line and lines[0].startswith(f"benchmarks/{script}: error: "), (name, err)
+    finally:  # one that went on to measure ends with the test
+        for run in runs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(run.pid, signal.SIGKILL)
+
+
 def test_a_closed_stdout_does_not_stop_a_benchmark():
     """Its reader gone (`| head -1`): the lines go nowhere, the benchmark runs to its end, exit
     0, where the first print ended it with a BrokenPipeError traceback."""
