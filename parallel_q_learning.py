@@ -848,6 +848,8 @@ def plot_run(output: Path) -> None:
         rows |= {"seed": np.arange(config.num_seeds)[:, None], "step": curves["step"][0, 0]}
         if any((curves[name] != value).any() for name, value in rows.items()):
             raise ValueError("its rows are not the summary's grid x seeds, each at the same steps")
+        if not np.isfinite(curves["greedy_path_length"]).all():  # the figure's log scale
+            raise ValueError("its greedy_path_length holds a value that is not finite")
     env = make_env(config.layout)
     with reading(output / "q_tables.npy") as path:  # its header: the figures draw no table
         tables = np.lib.format.open_memmap(path, mode="r")

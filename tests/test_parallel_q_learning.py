@@ -625,15 +625,19 @@ def test_cli_happy_path(tmp_path):
         (output / name).write_text(whole[name])
     # Drawn before (exit 0): a summary edited to 1 seed, its learning rates reordered (the
     # heatmap placed the rows by them), a grid point's gamma changed; a value more in every row
-    # of curves.csv. Named no file: 2.5 seeds (a reshape error), an unknown gamma (in list).
+    # of curves.csv. Named no file: 2.5 seeds (a reshape error), an unknown gamma (in list), an
+    # infinite path length (matplotlib's log scale).
     config, rows, grid = summary["config"], whole["curves.csv"].splitlines(), summary["grid"]
     not_its = "summary.json: its grid is not its config's gammas x learning rates x epsilons"
+    column = rows[0].split(",").index("greedy_path_length")  # inf: matplotlib's error, no file
+    inf = ",".join("inf" if i == column else v for i, v in enumerate(rows[1].split(",")))
     for name, edit, why in (
         ("summary.json", {"config": {**config, "num_seeds": 1}}, "curves.csv: its rows are not"),
         ("summary.json", {"config": {**config, "learning_rates": [0.5, 0.1]}}, not_its),
         ("summary.json", {"grid": [{**grid[0], "gamma": 0.5}, *grid[1:]]}, not_its),
         ("summary.json", {"config": {**config, "num_seeds": 2.5}}, "summary.json: num_seeds 2.5"),
         ("curves.csv", [rows[0], *(row + ",7" for row in rows[1:])], "curves.csv: its header "),
+        ("curves.csv", [rows[0], inf, *rows[2:]], "curves.csv: its greedy_path_length holds"),
     ):  # fmt: skip
         damaged = json.dumps({**summary, **edit}) if name == "summary.json" else "\n".join(edit)
         (output / name).write_text(damaged)
