@@ -68,8 +68,16 @@ def timed(command: list[str], devices: int, one_core: bool) -> tuple[float, str]
     `one_core` (Linux); (steps per s, its line)."""
     flags = f"--xla_force_host_platform_device_count={devices}"
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    pin = (lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})) if one_core else None
-    result = cli.captured(command, env=env, preexec_fn=pin)
+    # Pinned by this process's own affinity, which the child inherits: a preexec_fn would fork
+    # this process, JAX's threads and all (JAX warns of a deadlock).
+    cores = os.sched_getaffinity(0) if one_core else None
+    if one_core:
+        os.sched_setaffinity(0, {min(cores)})
+    try:
+        result = cli.captured(command, env=env)
+    finally:
+        if one_core:
+            os.sched_setaffinity(0, cores)
     lines = [line for line in result.stdout.splitlines() if "steps_per_s=" in line]
     if result.returncode or not lines:
         cli.failed(result)
