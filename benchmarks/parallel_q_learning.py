@@ -13,7 +13,7 @@ is the article's approach, article_q_learning.py beside this file, run in its ow
 `--timesteps 20000 --num-agents 1024`. Every measurement runs once per repeat, the yardstick
 too, so that a busy machine slows all alike; the medians are reported, with the ratios:
 4096 agents on all devices vs the yardstick and vs one device, and jit vs the NumPy loop.
-Writes benchmark.json and benchmark.png to --output-dir.
+Writes benchmark.json and benchmark.png to --output-dir (a new folder each run by default).
 """
 
 import argparse
@@ -202,8 +202,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, (default, help_text) in counts.items():
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, type=cli.count, default=default, help=help_text)
-    output = ROOT / "runs" / "benchmark_parallel_q_learning"
-    parser.add_argument("--output-dir", default=str(output), help="where the results go")
+    output = ROOT / "runs" / "benchmark_parallel_q_learning_{time}"  # a run never overwrites one
+    parser.add_argument("--output-dir", default=str(output), help="{time}: its start")
     return parser.parse_args(argv)
 
 
