@@ -2,7 +2,7 @@
 
     python dqn_cartpole.py --num-seeds 512                     # train 512 independent agents
     python dqn_cartpole.py --load runs/dqn_cartpole_<time> --render   # re-evaluate, a GIF
-    python dqn_cartpole.py --env gymnax:Acrobot-v1 --gamma 0.99,0.995 --num-seeds 64  # a sweep
+    python dqn_cartpole.py --env gymnax:Acrobot-v1 --train-frequency 4 --gamma 0.99,0.995  # a sweep
 
 The whole experiment (acting, replay buffer, updates, target network, greedy evaluation) is one
 pure function from a key and HParams to params and metrics. Seed i trains on fold_in(key(seed), i):
@@ -60,7 +60,7 @@ class Config:
     batch_size: int = option(32, "transitions per gradient update")
     hidden_sizes: tuple[int, ...] = option((64, 64), "MLP hidden widths, e.g. 64,64")
     layer_norm: bool = option(True, "LayerNorm after each hidden Dense: keeps Q from diverging")
-    train_frequency: int = option(8, "environment steps per gradient update; 4: slower, no better")
+    train_frequency: int = option(8, "environment steps per gradient update (4 for Acrobot)")
     learning_starts: int = option(1_000, "environment steps before the first update")
     target_update_interval: int = option(4, "environment steps between target updates")
     tau: float = option(0.1, "target update weight: 1 copies the online net, <1 is Polyak")
