@@ -23,8 +23,7 @@ import signal
 from functools import partial
 from typing import Any, NamedTuple
 
-# Unless XLA_FLAGS is set: each CPU core a JAX device, a GPU run the same every time (README).
-if "XLA_FLAGS" not in os.environ:
+if "XLA_FLAGS" not in os.environ:  # each CPU core a JAX device; a GPU run the same every time
     cores = f"--xla_force_host_platform_device_count={os.cpu_count() or 1}"
     os.environ["XLA_FLAGS"] = f"{cores} --xla_gpu_deterministic_ops=true"
 if __name__ == "__main__":  # a Ctrl-C or SIGTERM while JAX loads waits for the handlers
@@ -322,7 +321,6 @@ class Carry(NamedTuple):
 def make_blocks(config: Config, env, network: QNetwork):
     """(init, run_blocks): init(key, hp) -> (Carry, metrics [1] of the untrained network);
     run_blocks(carry, hp, blocks [n], steps) -> (Carry, metrics [n]): steps, then an evaluation."""
-    num_eval, nan = config.eval_episodes, jnp.float32(jnp.nan)
     num_updates = (config.total_timesteps - config.learning_starts) // config.train_frequency
 
     def make_optimizer(hp: HParams):
@@ -391,14 +389,16 @@ def make_blocks(config: Config, env, network: QNetwork):
         key, step_key, eval_key = jax.random.split(carry.key, 3)
         xs = (block * config.eval_every + jnp.arange(steps), jax.random.split(step_key, (steps, 3)))
         carry, info = jax.lax.scan(partial(step, hp), carry._replace(key=key), xs)
-        returns = greedy_episodes(eval_key, carry.agent.params, env, network, num_eval)
+        returns = greedy_episodes(eval_key, carry.agent.params, env, network, config.eval_episodes)
         episodes, updates = info["done"].sum(), info["updated"].sum()
         return carry, {
             "step": block * config.eval_every + steps,
             "eval_return": returns.mean(),
-            # NaN where the block had no finished episode / no update, not a fake 0.
-            "train_return": jnp.where(episodes > 0, info["finished_return"].sum() / episodes, nan),
-            "loss": jnp.where(updates > 0, info["loss"].sum() / updates, nan),
+            # Means over the episodes ended and updates run; 0 with none (NaN trips JAX_DEBUG_NANS).
+            "train_return": info["finished_return"].sum() / jnp.maximum(episodes, 1),
+            "loss": info["loss"].sum() / jnp.maximum(updates, 1),
+            "episodes": episodes,
+            "updates": updates,
         }
 
     def run_blocks(carry: Carry, hp: HParams, blocks: jax.Array, steps: int):
@@ -408,19 +408,19 @@ def make_blocks(config: Config, env, network: QNetwork):
         key, init_key, reset_key, eval_key = jax.random.split(key, 4)
         obs, env_state = env.reset(reset_key)
         params = network.init(init_key, obs)
+        opt_state = make_optimizer(hp).init(params)
         carry = Carry(
-            agent=AgentState(
-                params=params, target_params=params, opt_state=make_optimizer(hp).init(params)
-            ),
+            agent=AgentState(params=params, target_params=params, opt_state=opt_state),
             buffer=buffer_init(config.buffer_size, obs.shape[-1]),
             env_state=env_state,
             obs=obs,
             episode_return=jnp.float32(0.0),
             key=key,
         )
-        # The curves start at step 0, with the untrained network.
-        returns = greedy_episodes(eval_key, params, env, network, num_eval)
-        start = {"step": 0, "eval_return": returns.mean(), "train_return": nan, "loss": nan}
+        # The curves start at step 0, with the untrained network: no episode ended, no update.
+        returns = greedy_episodes(eval_key, params, env, network, config.eval_episodes)
+        start = {"step": 0, "eval_return": returns.mean(), "episodes": 0, "updates": 0}
+        start |= {"train_return": jnp.float32(0.0), "loss": jnp.float32(0.0)}
         return carry, jax.tree.map(lambda x: jnp.asarray(x)[None], start)
 
     return init, run_blocks
@@ -588,7 +588,7 @@ def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int],
         min(config.eval_every, config.total_timesteps),
         config.hidden_sizes,
     )
-    num_metrics = 4 * (1 + config.total_timesteps // block)
+    num_metrics = 6 * (1 + config.total_timesteps // block)
     buffer_words = config.buffer_size * (2 * obs.size + 3)
     words = {
         "--hidden-sizes": 6 * num_params,  # params, target, Adam's two moments, grads, updates
@@ -725,15 +725,25 @@ def train_agents(config: Config, env, network, seed: int, grid: HParams, plan: S
         block_all = on_devices(partial(run_blocks, steps=steps), (spec, spec, PartitionSpec()))
         run[steps] = block_all.lower(shapes, hparams, np.zeros(1, np.int32)).compile()
     if start is None:
-        metrics = gather(metrics)
+        metrics = with_gaps(gather(metrics))
     timings.update(compile_time_s=time.perf_counter() - clock, train_time_s=0.0)
     for block, steps in blocks[done:]:
         clock = time.perf_counter()
         carry, more = run[steps](carry, hparams, np.array([block], np.int32))
-        more = gather(wait(more))
+        more = with_gaps(gather(wait(more)))
         timings["train_time_s"] += time.perf_counter() - clock
         metrics = jax.tree.map(lambda a, b: np.concatenate([a, b], axis=1), metrics, more)
         yield block + 1, carry, metrics
+
+
+def with_gaps(metrics: dict) -> dict:
+    """The reference's metrics as the run reports and saves them: train_return and loss NaN (blank
+    in curves.csv) where an evaluation block ended no episode or ran no update; no counts."""
+    metrics = dict(metrics)
+    episodes, updates = metrics.pop("episodes"), metrics.pop("updates")
+    metrics["train_return"] = np.where(episodes > 0, metrics["train_return"], np.nan)
+    metrics["loss"] = np.where(updates > 0, metrics["loss"], np.nan)
+    return metrics
 
 
 def gather(out):

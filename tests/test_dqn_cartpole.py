@@ -207,6 +207,11 @@ def train_all(config: dqn.Config, grid: dqn.HParams, plan: dqn.SeedPlan) -> dict
     return {"params": dqn.gather(carry.agent.params), "metrics": metrics}
 
 
+def as_reported(out: dict) -> dict:
+    """train's output with its metrics as train_agents reports them (NaN gaps, no counts)."""
+    return {**out, "metrics": dqn.with_gaps(out["metrics"])}
+
+
 def test_vmap_equals_single_key(tiny_train, tiny_keys, vmapped_out):
     single = jax.jit(tiny_train)
     for i in (0, 2):
@@ -239,10 +244,10 @@ def test_seeds_in_batches_give_what_one_vmap_gives(tiny_keys, vmapped_out):
         close = partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-4)
         jax.tree.map(close, a, b)
 
-    same(jax.tree.map(lambda x: x[:3], out), vmapped_out)  # grid point 0: TINY
+    same(jax.tree.map(lambda x: x[:3], out), as_reported(vmapped_out))  # grid point 0: TINY
     single = jax.jit(dqn.make_train(other))
     for seed in (0, 2):  # grid point 1, agents 3 to 5
-        same(jax.tree.map(lambda x, i=3 + seed: x[i], out), single(tiny_keys[seed]))
+        same(jax.tree.map(lambda x, i=3 + seed: x[i], out), as_reported(single(tiny_keys[seed])))
     kernels = out["params"]["params"]["Dense_0"]["kernel"]
     assert not np.allclose(kernels[:3], kernels[3:6])
 
@@ -338,8 +343,34 @@ def test_metrics_have_one_point_per_evaluation(vmapped_out):
     metrics = vmapped_out["metrics"]
     np.testing.assert_array_equal(metrics["step"][0], [0, 500, 1_000])  # step 0: untrained
     assert metrics["eval_return"].shape == (3, 3)
-    assert np.isnan(metrics["loss"][:, 0]).all() and np.isnan(metrics["train_return"][:, 0]).all()
+    # Step 0, untrained: no episode ended, no update ran; then each block has both.
+    assert (metrics["episodes"][:, 0] == 0).all() and (metrics["updates"][:, 0] == 0).all()
+    assert (metrics["loss"][:, 0] == 0).all() and (metrics["train_return"][:, 0] == 0).all()
+    np.testing.assert_array_equal(metrics["updates"][:, 1:], [[151, 250]] * 3)  # t + 1 = 200, 202
+    assert (metrics["episodes"][:, 1:] > 0).all() and (metrics["train_return"][:, 1:] >= 1).all()
     assert np.all(metrics["eval_return"] >= 1) and np.all(metrics["eval_return"] <= 500)
+
+
+def test_train_runs_under_jax_debug_nans():
+    """No NaN in train's outputs (a block without an episode or an update reports 0 and a count
+    of 0), so JAX_DEBUG_NANS, the first tool for a loss that diverges, can be turned on."""
+    with jax.debug_nans(True):
+        out = jax.jit(jax.vmap(dqn.make_train(TINY)))(jax.random.split(jax.random.key(0), 2))
+    assert np.isfinite(out["metrics"]["loss"]).all()
+
+
+def test_a_run_under_jax_debug_nans_leaves_blanks_where_a_block_had_no_update(tmp_path):
+    """The command line under JAX_DEBUG_NANS=1: trains, and curves.csv leaves the loss blank
+    for the block before the first update (and step 0's training columns), as without it."""
+    env = {**os.environ, "JAX_DEBUG_NANS": "1"}
+    argv = [*TINY_ARGS, "--num-seeds", "1", "--learning-starts", "600"]
+    argv = [sys.executable, dqn.__file__, *argv, "--output-dir", str(tmp_path / "out")]
+    result = subprocess.run(argv, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    with open(tmp_path / "out" / "curves.csv") as file:
+        rows = {int(row["step"]): row for row in csv.DictReader(file)}
+    assert rows[0]["loss"] == rows[0]["train_return"] == rows[500]["loss"] == ""
+    assert float(rows[500]["train_return"]) >= 1 and float(rows[1000]["loss"]) >= 0
 
 
 def test_seeds_get_different_init_and_exploration():
@@ -406,7 +437,7 @@ def test_gpu_layout_runs_on_a_cpu(monkeypatch, vmapped_out):
     monkeypatch.undo()
     out = train_all(TINY, dqn.hparam_grid([TINY.hparams()._asdict()]), plan)
     same = partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-4)
-    jax.tree.map(lambda a, b: same(a[:3], b), out, vmapped_out)
+    jax.tree.map(lambda a, b: same(a[:3], b), out, as_reported(vmapped_out))
 
 
 def test_memory_check_counts_what_every_agent_holds_between_blocks():
