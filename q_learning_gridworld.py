@@ -328,7 +328,7 @@ def make_train(config: Config, env: GridWorld | None = None):
         if rest:
             carry, _ = run_block(rest, carry, point_of_block[-1])
         curve = carry.curve  # [num_points] each
-        ended = curve.episodes > 0  # elsewhere the means are NaN, not 0
+        ended = jnp.maximum(curve.episodes, 1)  # with none, the means are 0 (NaN: JAX_DEBUG_NANS)
         return {
             "q_values": carry.step.q.reshape(env.rows, env.cols, NUM_ACTIONS),
             "metrics": {
@@ -338,8 +338,8 @@ def make_train(config: Config, env: GridWorld | None = None):
                 # the episodes that ended in its stretch of training
                 "timestep": jnp.asarray(steps_done, jnp.int32),
                 "episodes": curve.episodes,
-                "mean_episode_length": jnp.where(ended, curve.length_sum / curve.episodes, jnp.nan),
-                "mean_return": jnp.where(ended, curve.return_sum / curve.episodes, jnp.nan),
+                "mean_episode_length": curve.length_sum / ended,
+                "mean_return": curve.return_sum / ended,
             },
         }
 
@@ -699,7 +699,9 @@ def save_run(output_dir: Path, summary: dict, out: dict) -> None:
     metrics, seed = out["metrics"], np.arange(len(out["q_values"]))[:, None]
     with atomic_open(output_dir / "summary.json") as file:
         json.dump(summary, file, indent=2, allow_nan=False)  # strict JSON: no NaN in it
-    curve = {name: metrics[name] for name in ("episodes", "mean_episode_length", "mean_return")}
+    curve = {"episodes": metrics["episodes"]}  # the means of a stretch where none ended: NaN
+    for name in ("mean_episode_length", "mean_return"):
+        curve[name] = np.where(metrics["episodes"] > 0, metrics[name], np.nan)
     write_csv(output_dir / "curves.csv", {"seed": seed, "step": metrics["timestep"], **curve})
     episode = np.arange(1, metrics["episode_length"].shape[1] + 1)
     lengths = {"seed": seed, "episode": episode, "length": metrics["episode_length"]}
