@@ -203,7 +203,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, type=cli.count, default=default, help=help_text)
     output = ROOT / "runs" / "benchmark_parallel_q_learning_{time}"  # a run never overwrites one
-    parser.add_argument("--output-dir", default=str(output), help="{time}: its start")
+    help_text = "where the results go; {time}: its start"
+    parser.add_argument("--output-dir", default=str(output), help=help_text)
     return parser.parse_args(argv)
 
 

@@ -346,22 +346,31 @@ def test_metrics_have_one_point_per_evaluation(vmapped_out):
     # Step 0, untrained: no episode ended, no update ran; then each block has both.
     assert (metrics["episodes"][:, 0] == 0).all() and (metrics["updates"][:, 0] == 0).all()
     assert (metrics["loss"][:, 0] == 0).all() and (metrics["train_return"][:, 0] == 0).all()
-    np.testing.assert_array_equal(metrics["updates"][:, 1:], [[151, 250]] * 3)  # t + 1 = 200, 202
+    # Updates where t + 1 is even and >= 200: 200, 202, ..., 500 in the first block, 502... after.
+    np.testing.assert_array_equal(metrics["updates"][:, 1:], [[151, 250]] * 3)
     assert (metrics["episodes"][:, 1:] > 0).all() and (metrics["train_return"][:, 1:] >= 1).all()
     assert np.all(metrics["eval_return"] >= 1) and np.all(metrics["eval_return"] <= 500)
 
 
 def test_train_runs_under_jax_debug_nans():
     """No NaN in train's outputs (a block without an episode or an update reports 0 and a count
-    of 0), so JAX_DEBUG_NANS, the first tool for a loss that diverges, can be turned on."""
+    of 0), so JAX_DEBUG_NANS, the first tool for a loss that diverges, can be turned on; the
+    command line's with_gaps makes those 0s NaN (blank cells) and drops the counts."""
+    config = dataclasses.replace(TINY, learning_starts=600)  # the first block has no update
     with jax.debug_nans(True):
-        out = jax.jit(jax.vmap(dqn.make_train(TINY)))(jax.random.split(jax.random.key(0), 2))
-    assert np.isfinite(out["metrics"]["loss"]).all()
+        out = jax.jit(jax.vmap(dqn.make_train(config)))(jax.random.split(jax.random.key(0), 2))
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(out))
+    metrics = out["metrics"]
+    assert (metrics["updates"][:, 1] == 0).all() and (metrics["loss"][:, 1] == 0).all()
+    reported = dqn.with_gaps(jax.device_get(metrics))
+    assert set(reported) == {"step", "eval_return", "train_return", "loss"}
+    assert np.isnan(reported["loss"][:, :2]).all() and np.isfinite(reported["loss"][:, 2]).all()
+    assert np.isnan(reported["train_return"][:, 0]).all() and reported["loss"].dtype == np.float32
 
 
 def test_a_run_under_jax_debug_nans_leaves_blanks_where_a_block_had_no_update(tmp_path):
     """The command line under JAX_DEBUG_NANS=1: trains, and curves.csv leaves the loss blank
-    for the block before the first update (and step 0's training columns), as without it."""
+    for the block before the first update (and step 0's training columns)."""
     env = {**os.environ, "JAX_DEBUG_NANS": "1"}
     argv = [*TINY_ARGS, "--num-seeds", "1", "--learning-starts", "600"]
     argv = [sys.executable, dqn.__file__, *argv, "--output-dir", str(tmp_path / "out")]

@@ -397,8 +397,8 @@ def test_a_signal_dropped_once_training_has_begun_stops_the_run_once_written(scr
 
 
 def test_an_error_while_training_leaves_no_empty_folder(script, tmp_path):
-    """A run that fails as it trains (JAX_DEBUG_NANS=1 did in the DQN, whose metrics hold NaN for
-    a block without an episode) ends with its traceback, and the folder made for it goes, as a
+    """A run that fails as it trains (JAX_DEBUG_NANS=1 did in the DQN until its metrics lost their
+    NaN) ends with its traceback, and the folder made for it goes, as a
     stopped run's does: the DQN left it empty. Here a profile function of the test's own raises
     as training begins."""
     first = {q_learning_gridworld: "train_seeds", parallel_q_learning: "run_sweep"}
