@@ -1330,7 +1330,8 @@ def main(argv: list[str] | None = None) -> None:
         if not all((config / name).is_file() for name in RUN_FILES):
             fail(f"--replot: {str(config)!r} is not a saved run (needs {', '.join(RUN_FILES)})")
         try:
-            plot_run(config)
+            with written_whole():  # both figures redrawn, or a signal waits till they are
+                plot_run(config)
         except Exception as error:  # a damaged file: one line, not a traceback
             fail(f"--replot {config}: cannot redraw ({describe(error)})"[:300])
         return print(f"redrew sweep_heatmap.png, learning_curves.png in {config}/ (no training)")

@@ -757,6 +757,32 @@ def test_an_output_dir_that_holds_a_run_is_kept_unless_overwrite(
     assert all((tmp_path / name).read_text() == "kept" for name in held)
 
 
+def test_a_signal_during_replot_waits_until_both_figures_are_redrawn(tmp_path, capsys, monkeypatch):
+    """--replot writes two figures: a SIGTERM between them waits for the second, then stops the
+    script (143), so the pair is never one new figure beside an old one."""
+    run = tmp_path / "run"
+    pq.main(["--num-seeds", "2", "--total-timesteps", "1000", "--output-dir", str(run)])
+    for name in ("sweep_heatmap.png", "learning_curves.png"):
+        (run / name).unlink()
+    save_figure = pq.save_figure
+
+    def then_a_signal(fig, path):
+        save_figure(fig, path)
+        os.kill(os.getpid(), signal.SIGTERM)  # after the first figure, before the second
+
+    monkeypatch.setattr(pq, "save_figure", then_a_signal)
+    monkeypatch.setattr(pq, "RECEIVED", [])
+    previous = signal.signal(signal.SIGTERM, pq.stop)  # as when run as a script
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            pq.main(["--replot", str(run)])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exit_info.value.code == 143, capsys.readouterr().err
+    assert "once the run was written whole" in capsys.readouterr().err
+    assert (run / "sweep_heatmap.png").exists() and (run / "learning_curves.png").exists()
+
+
 def test_replot_does_not_train_and_a_bad_folder_or_flag_is_one_line(tmp_path, capsys, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("--replot must not train or compile")
