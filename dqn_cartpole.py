@@ -1088,10 +1088,14 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int
         every = run.get("checkpoint_every", 25_000)  # older checkpoints: the default
         if type(every) is not int or every < 0:
             raise ValueError(f"its checkpoint cadence {every!r} is not a whole number >= 0")
+        x64 = run.get("jax_enable_x64", jax.config.jax_enable_x64)  # older checkpoints: unsaid
     except Exception as error:
         raise ValueError(
             f"--resume {folder}: no checkpoint to resume from ({describe(error)})"
         ) from None
+    if x64 != jax.config.jax_enable_x64:  # float64 arrays where float32 ones are wanted, or back
+        setting = "set" if x64 else "unset"
+        raise ValueError(f"--resume {folder}: its run had JAX_ENABLE_X64 {setting}; so must this")
     return config, run["points"], solved, (done, leaves, metrics), every
 
 
@@ -1577,6 +1581,7 @@ def run_training(config, points, env, network, plan, environment, output, checkp
     first = saved = 0 if start is None else int(start[2]["step"][0, -1])
     run = {"config": dataclasses.asdict(config), "points": points}
     run |= {"solved_return": environment["solved_return"], "checkpoint_every": checkpoint_every}
+    run["jax_enable_x64"] = jax.config.jax_enable_x64  # its arrays' dtypes follow it
     timings = {"checkpoint_time_s": 0.0}
     # Before the first line: a signal stops the run as asked from the moment one can see it run
     # (main holds one that comes before, and stops the run once it is written).

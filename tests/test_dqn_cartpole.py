@@ -1354,6 +1354,16 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
             dqn.main(["--resume", str(damaged)])  # before the block compiles, not a traceback
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and "checkpoint does not fit its own config" in err, err
+    run = json.loads(str(arrays["run"]))
+    assert run["jax_enable_x64"] is False  # as this session runs
+    np.savez(
+        damaged / dqn.CHECKPOINT, **{**arrays, "run": json.dumps(run | {"jax_enable_x64": True})}
+    )
+    with pytest.raises(SystemExit) as exit_info:  # saved under JAX_ENABLE_X64: named, not "damaged"
+        dqn.main(["--resume", str(damaged)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert "its run had JAX_ENABLE_X64 set; so must this" in err, err
     held = os.open(stopped, os.O_RDONLY)
     fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a run that still writes there
     with pytest.raises(SystemExit):
