@@ -749,7 +749,9 @@ def written_whole():
         yield
     caught = RECEIVED + caught  # stop() took one, yet the run is here: its exception was dropped
     if caught:
-        fail(f"stopped by {SIGNALS[caught[0]]} once the run was written whole", 128 + caught[0])
+        message = f"stopped by {SIGNALS[caught[0]]} once the run was written whole"
+        print(f"parallel_q_learning.py: {message}", file=sys.stderr)  # asked for: not an "error:"
+        sys.exit(128 + caught[0])
 
 
 def catchable() -> list[int]:
