@@ -1490,6 +1490,11 @@ def build_parser() -> argparse.ArgumentParser:
 def load_run(folder: str) -> tuple[Config, Any, list | None]:
     """Saved config, params and grid points (None: one configuration) of a run folder; any
     problem is a one-line ValueError."""
+    if not Path(folder).is_dir():
+        raise ValueError(f"--load {folder}: no such folder")
+    for name in ("summary.json", "params.msgpack"):
+        if not (Path(folder) / name).is_file():
+            raise ValueError(f"--load {folder}: not a saved run (it has no {name})")
     try:
         with reading(Path(folder) / "summary.json") as path:
             summary = json.loads(path.read_text())
@@ -1892,8 +1897,10 @@ def replot(folder: str) -> None:
     """--replot DIR: the figure again, from the saved files alone."""
     output = Path(folder)
     try:
+        if not output.is_dir():
+            raise ValueError("no such folder")
         if not all((output / name).is_file() for name in RUN_FILES):
-            raise ValueError(f"not a saved run (needs {', '.join(RUN_FILES)})")
+            raise ValueError(f"not a saved run: it needs {', '.join(RUN_FILES)}")
         with reading(output / "summary.json") as path:  # its config, checked as --load does
             saved_config(json.loads(path.read_text())["config"])
         path = plot_run(output)

@@ -1702,6 +1702,10 @@ def test_resume_and_replot_refuse_other_flags_and_a_folder_without_a_checkpoint(
         (["--resume", str(tmp_path / "missing")], "missing: no such folder"),
         (["--resume", str(tmp_path / "finished" / "summary.json")], "json: not a folder"),
         (["--resume", str(tmp_path / "gridworld")], "not a run of dqn_cartpole.py ("),
+        # --load said "cannot read its summary.json: FileNotFoundError: [Errno 2] ..." for these
+        (["--load", str(tmp_path / "missing")], "missing: no such folder"),
+        (["--load", str(tmp_path / "finished")], "not a saved run (it has no params.msgpack)"),
+        (["--replot", str(tmp_path / "missing")], "cannot redraw (no such folder)"),
     ]:
         finished = json.loads(json.dumps(dataclasses.asdict(dqn.Config())))  # as a run saves it
         for name, config in (("finished", finished), ("gridworld", {"layout": "four_rooms"})):
