@@ -247,10 +247,11 @@ def buffer_init(capacity: int, obs_size: int) -> Buffer:
 
 
 def buffer_add(buffer: Buffer, transition: Transition) -> Buffer:
-    """Write one transition at the pointer: the next empty slot, or the oldest once full."""
-    capacity = buffer.data.reward.shape[0]
-    data = jax.tree.map(lambda d, x: d.at[buffer.pointer].set(x), buffer.data, transition)
-    pointer = (buffer.pointer + 1) % capacity
+    """Write one transition at the pointer: the next empty slot, or the oldest once full. As the
+    buffer's dtypes: JAX_ENABLE_X64 makes float64 observations, which JAX will not cast for us."""
+    capacity, i = buffer.data.reward.shape[0], buffer.pointer
+    data = jax.tree.map(lambda d, x: d.at[i].set(x.astype(d.dtype)), buffer.data, transition)
+    pointer = (i + 1) % capacity
     return Buffer(data=data, pointer=pointer, size=jnp.minimum(buffer.size + 1, capacity))
 
 
@@ -348,9 +349,7 @@ def make_blocks(config: Config, env, network: QNetwork):
         epsilon = (hp.epsilon_start - hp.epsilon_end) * (1.0 - progress) + hp.epsilon_end
         q_values = network.apply(carry.agent.params, carry.obs)  # [actions]
         action = distrax.EpsilonGreedy(q_values, epsilon).sample(seed=act_key)  # ties at random
-        obs, env_state, reward, terminated, truncated, info = env.step(
-            env_key, carry.env_state, action
-        )
+        obs, state, reward, terminated, truncated, info = env.step(env_key, carry.env_state, action)
         transition = Transition(
             obs=carry.obs,
             action=action,
@@ -376,7 +375,7 @@ def make_blocks(config: Config, env, network: QNetwork):
         carry = carry._replace(
             agent=agent._replace(target_params=target),
             buffer=buffer,
-            env_state=env_state,
+            env_state=state,
             obs=obs,
             episode_return=jnp.where(done, 0.0, episode_return),
         )

@@ -584,6 +584,28 @@ def test_tiny_run_on_a_gymnax_environment(name):
     assert np.all(np.abs(returns) <= env.default_params.max_steps_in_episode), returns
 
 
+def test_train_under_jax_enable_x64_warns_of_no_cast():
+    """Under JAX_ENABLE_X64 our CartPole's observations are float64 and the sampled actions
+    int64, and writing them into the buffer's float32/int32 arrays warned twice ("In future JAX
+    releases this will result in an error"): buffer_add casts them. A fresh process, since x64
+    is set as JAX starts; a FutureWarning is an error there."""
+    code = (
+        "import dataclasses, jax, dqn_cartpole as dqn\n"
+        "config = dataclasses.replace(dqn.Config(), total_timesteps=400, eval_every=200,"
+        " learning_starts=100, eval_episodes=1)\n"
+        "out = jax.jit(dqn.make_train(config))(jax.random.key(0))\n"
+        "assert out['metrics']['eval_return'].shape == (3,)\n"
+    )
+    env = os.environ | {"JAX_ENABLE_X64": "1", "PYTHONPATH": str(Path(dqn.__file__).parent)}
+    run = subprocess.run(
+        [sys.executable, "-W", "error::FutureWarning", "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 # ---------------------------------------------------------------- command line
 
 
