@@ -2025,8 +2025,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def resume_hint(output: Path) -> str:
     """The command that goes on from the run's checkpoint, to paste into a shell: this Python
-    (a venv's, say: a bare `python` may be one without jax) and this script, each by its path
-    from here where it lies below this folder, else absolute."""
+    (a venv's, say: a bare `python` may be one without jax), this script and the run's folder,
+    each by its path from here where it lies below this folder, else absolute."""
 
     def from_here(path: str) -> str:
         try:
@@ -2038,7 +2038,7 @@ def resume_hint(output: Path) -> str:
     python = from_here(sys.executable) if sys.executable else "python"  # "": embedded Python
     if sys.executable and os.sep not in python:  # a bare name would be looked up on PATH
         python = os.path.join(".", python)
-    command = [python, from_here(__file__), "--resume", str(output)]
+    command = [python, from_here(__file__), "--resume", from_here(str(output))]
     return f"to go on: {shlex.join(command)}"
 
 

@@ -1583,12 +1583,12 @@ def test_a_second_sigterm_or_sighup_asks_again_and_a_second_ctrl_c_stops_at_once
     assert "(Ctrl-C again to stop at once, unsaved)" in capsys.readouterr().err
 
 
-def ctrl_c_twice(argv: list[str]) -> tuple[int, list[str]]:
-    """The script run with argv, Ctrl-C as it starts training and again once it says it will
-    stop after the block -> (exit code, lines printed)."""
+def ctrl_c_twice(argv: list[str], cwd=None) -> tuple[int, list[str]]:
+    """The script run with argv (in cwd), Ctrl-C as it starts training and again once it says
+    it will stop after the block -> (exit code, lines printed)."""
     process = subprocess.Popen(
         [sys.executable, "-u", dqn.__file__, *argv],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
     )  # fmt: skip
     printed = []
     for line in process.stdout:
@@ -1687,20 +1687,21 @@ def test_stopped_at_once_says_how_to_go_on_from_the_last_checkpoint(tmp_path):
     """Ctrl-C twice while a resumed run compiles: it stops at once, unsaved, and the checkpoint
     it started from stays: the line says so, and how to go on (it said only "unfinished"). So
     does a run that was to replace it (--overwrite): the stopped run stays as it was, and the
-    line says how to go on with it (it said only that the run stayed)."""
+    line says how to go on with it (it said only that the run stayed). Both started where the
+    folder is `run`: the line says `--resume run`, as it was named (it spelled it absolutely)."""
     folder = tmp_path / "run"
     argv = [dqn.__file__, *RESUME_ARGS, "--output-dir", str(folder)]
     assert run_and_interrupt(argv, signal.SIGTERM, "%  train")[0] == 143  # saved after a block
     saved = (folder / dqn.CHECKPOINT).read_bytes()
-    code, printed = ctrl_c_twice(["--resume", str(folder)])
+    code, printed = ctrl_c_twice(["--resume", "run"], cwd=tmp_path)
     assert code == 130, printed
     assert "its last checkpoint stays, to go on: " in printed[-1], printed
-    assert_goes_on(printed[-1].strip(), folder)
-    code, printed = ctrl_c_twice([*RESUME_ARGS, "--output-dir", str(folder), "--overwrite"])
+    assert_goes_on(printed[-1].strip(), "run")
+    code, printed = ctrl_c_twice([*RESUME_ARGS, "--output-dir", "run", "--overwrite"], tmp_path)
     assert code == 130, printed
     stays = "the run it was to replace stays; its last checkpoint stays, to go on: "
     assert stays in printed[-1], printed
-    assert_goes_on(printed[-1].strip(), folder)
+    assert_goes_on(printed[-1].strip(), "run")
     assert (folder / dqn.CHECKPOINT).read_bytes() == saved
 
 
