@@ -247,8 +247,8 @@ def buffer_init(capacity: int, obs_size: int) -> Buffer:
 
 
 def buffer_add(buffer: Buffer, transition: Transition) -> Buffer:
-    """Write one transition at the pointer: the next empty slot, or the oldest once full. As the
-    buffer's dtypes: JAX_ENABLE_X64 makes float64 observations, which JAX will not cast for us."""
+    """Write one transition at the pointer: the next empty slot, or the oldest once full. Cast to
+    the buffer's dtypes: under JAX_ENABLE_X64 it is float64 and int64 (JAX warns it will refuse)."""
     capacity, i = buffer.data.reward.shape[0], buffer.pointer
     data = jax.tree.map(lambda d, x: d.at[i].set(x.astype(d.dtype)), buffer.data, transition)
     pointer = (i + 1) % capacity
@@ -1006,6 +1006,8 @@ def reading(path: Path):
     one ValueError that names it."""
     try:
         yield path
+    except FileNotFoundError:  # its own words would spell the whole path, with an [Errno 2]
+        raise ValueError(f"{path.name}: no such file") from None
     except Exception as error:
         raise ValueError(f"{path.name}: {describe(error)}") from None
 
@@ -1490,14 +1492,15 @@ def load_run(folder: str) -> tuple[Config, Any, list | None]:
     """Saved config, params and grid points (None: one configuration) of a run folder; any
     problem is a one-line ValueError."""
     if not Path(folder).is_dir():
-        raise ValueError(f"--load {folder}: no such folder")
-    for name in ("summary.json", "params.msgpack"):
-        if not (Path(folder) / name).is_file():
-            raise ValueError(f"--load {folder}: not a saved run (it has no {name})")
+        raise ValueError(
+            f"--load {folder}: {'not a' if Path(folder).exists() else 'no such'} folder"
+        )
+    if not (Path(folder) / "summary.json").is_file():
+        raise ValueError(f"--load {folder}: not a saved run (it has no summary.json)")
     try:
         with reading(Path(folder) / "summary.json") as path:
             summary = json.loads(path.read_text())
-            config = saved_config(summary["config"])
+            config = saved_config(summary["config"])  # another script's run: named as such
             grid = [{name: float(p["hparams"][name]) for name in HParams._fields} for p in
                     summary["grid"]] if "grid" in summary else None  # fmt: skip
         with reading(Path(folder) / "params.msgpack") as path:
@@ -1897,7 +1900,7 @@ def replot(folder: str) -> None:
     output = Path(folder)
     try:
         if not output.is_dir():
-            raise ValueError("no such folder")
+            raise ValueError(f"{'not a' if output.exists() else 'no such'} folder")
         if not all((output / name).is_file() for name in RUN_FILES):
             raise ValueError(f"not a saved run: it needs {', '.join(RUN_FILES)}")
         with reading(output / "summary.json") as path:  # its config, checked as --load does

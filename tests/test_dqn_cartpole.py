@@ -584,11 +584,11 @@ def test_tiny_run_on_a_gymnax_environment(name):
     assert np.all(np.abs(returns) <= env.default_params.max_steps_in_episode), returns
 
 
-def test_train_under_jax_enable_x64_warns_of_no_cast():
+def test_train_under_jax_enable_x64_writes_the_buffer_without_a_cast_warning():
     """Under JAX_ENABLE_X64 our CartPole's observations are float64 and the sampled actions
     int64, and writing them into the buffer's float32/int32 arrays warned twice ("In future JAX
     releases this will result in an error"): buffer_add casts them. A fresh process, since x64
-    is set as JAX starts; a FutureWarning is an error there."""
+    is set as JAX starts; that warning is an error there."""
     code = (
         "import dataclasses, jax, dqn_cartpole as dqn\n"
         "config = dataclasses.replace(dqn.Config(), total_timesteps=400, eval_every=200,"
@@ -598,7 +598,13 @@ def test_train_under_jax_enable_x64_warns_of_no_cast():
     )
     env = os.environ | {"JAX_ENABLE_X64": "1", "PYTHONPATH": str(Path(dqn.__file__).parent)}
     run = subprocess.run(
-        [sys.executable, "-W", "error::FutureWarning", "-c", code],
+        [
+            sys.executable,
+            "-W",
+            "error:scatter inputs have incompatible types:FutureWarning",
+            "-c",
+            code,
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -1727,8 +1733,12 @@ def test_resume_and_replot_refuse_other_flags_and_a_folder_without_a_checkpoint(
         (["--resume", str(tmp_path / "gridworld")], "not a run of dqn_cartpole.py ("),
         # --load said "cannot read its summary.json: FileNotFoundError: [Errno 2] ..." for these
         (["--load", str(tmp_path / "missing")], "missing: no such folder"),
-        (["--load", str(tmp_path / "finished")], "not a saved run (it has no params.msgpack)"),
+        (["--load", str(tmp_path / "finished" / "summary.json")], "json: not a folder"),
+        (["--load", str(tmp_path)], "not a saved run (it has no summary.json)"),
+        (["--load", str(tmp_path / "finished")], "cannot read its params.msgpack: no such file"),
+        (["--load", str(tmp_path / "gridworld")], "not a setting of dqn_cartpole.py"),
         (["--replot", str(tmp_path / "missing")], "cannot redraw (no such folder)"),
+        (["--replot", str(tmp_path / "finished" / "summary.json")], "redraw (not a folder)"),
     ]:
         finished = json.loads(json.dumps(dataclasses.asdict(dqn.Config())))  # as a run saves it
         for name, config in (("finished", finished), ("gridworld", {"layout": "four_rooms"})):
