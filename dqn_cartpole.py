@@ -248,7 +248,7 @@ def buffer_init(capacity: int, obs_size: int) -> Buffer:
 
 def buffer_add(buffer: Buffer, transition: Transition) -> Buffer:
     """Write one transition at the pointer: the next empty slot, or the oldest once full. Cast to
-    the buffer's dtypes: under JAX_ENABLE_X64 it is float64 and int64 (JAX warns it will refuse)."""
+    the buffer's dtypes: JAX_ENABLE_X64 makes float64 obs and int64 actions (else JAX warns)."""
     capacity, i = buffer.data.reward.shape[0], buffer.pointer
     data = jax.tree.map(lambda d, x: d.at[i].set(x.astype(d.dtype)), buffer.data, transition)
     pointer = (i + 1) % capacity
