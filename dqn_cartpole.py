@@ -777,6 +777,10 @@ class Progress:
             print(f"  {done:4.0%}  train {seconds:6.1f} s  {rate:,.0f} agent-steps/s  "
                   f"ETA {eta:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
 
+    def say(self, line: str) -> None:
+        """A line on stderr, above the bar if one is drawn."""
+        (print if self.bar is None else self.bar.write)(line, file=sys.stderr)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -894,16 +898,17 @@ CURVES = ("step", "eval_return", "train_return", "loss")  # curves.csv's columns
 
 
 @contextlib.contextmanager
-def atomic_open(path: Path, mode: str = "w"):
+def atomic_open(path: Path, mode: str = "w", fatal: bool = True):
     """Write to a temporary name beside path, then rename: no reader sees half a file. A write
-    that fails (a full disk, say) ends the script with one line."""
+    that fails (a full disk, say) ends the script with one line, or raises its OSError if not
+    `fatal`."""
     try:
         with open(temporary(path), mode) as file:
             yield file
         os.replace(temporary(path), path)
     except BaseException as error:  # an error, Ctrl-C: no temporary file left behind
         temporary(path).unlink(missing_ok=True)
-        if isinstance(error, OSError):
+        if isinstance(error, OSError) and fatal:
             reason = error.strerror or error  # no file name: the temporary one
             remove_if_empty(path.parent)  # the run's folder, if this was to be its first file
             sys.exit(f"dqn_cartpole.py: error: cannot write {path} ({reason})")
@@ -981,17 +986,18 @@ def save_run(output: Path, summary: dict, points: list, out: dict) -> None:
         file.write(flax.serialization.to_bytes(out["params"]))
 
 
-def save_checkpoint(output: Path, run: dict, done: int, carry, metrics) -> None:
+def save_checkpoint(output: Path, run: dict, done: int, carry, metrics, fatal=True) -> None:
     """CHECKPOINT: the whole training state of every agent after `done` blocks (params, target,
     optimizer, buffer, environment, keys), the metrics so far, and the `run` (its config, grid
-    points and solved return), in one file written atomically: all --resume needs."""
+    points and solved return), in one file written atomically: all --resume needs. `fatal` as
+    atomic_open's."""
     carry = gather(carry._replace(key=jax.random.key_data(carry.key)))  # every process joins
     if jax.process_index() > 0:
         return
     real = len(run["points"]) * run["config"]["num_seeds"]  # --resume pads anew for its layout
     arrays = {f"carry_{i}": x[:real] for i, x in enumerate(jax.tree.leaves(carry))}
     arrays |= {f"metrics_{name}": x[:real] for name, x in metrics.items()}
-    with atomic_open(output / CHECKPOINT, "wb") as file:
+    with atomic_open(output / CHECKPOINT, "wb", fatal) as file:
         np.savez(file, run=json.dumps(run), blocks_done=done, **arrays)
 
 
@@ -1607,8 +1613,15 @@ def run_training(config, points, env, network, plan, environment, output, checkp
             due = checkpoint_every and steps - saved >= checkpoint_every
             if (stopping or due) and steps < config.total_timesteps:  # an ended run has no use
                 clock = time.perf_counter()
-                with writing(output):
-                    save_checkpoint(output, run, done, carry, metrics)
+                # One due on the way that cannot be written (a full disk, say) does not end the
+                # run: the trained agents are worth more, and its final files are far smaller
+                # (no replay buffers). One for a stop ends it, with one line, as any write.
+                try:
+                    with writing(output):
+                        save_checkpoint(output, run, done, carry, metrics, fatal=stopping)
+                except OSError as error:
+                    progress.say(f"dqn_cartpole.py: warning: cannot write {output / CHECKPOINT} "
+                                 f"({error.strerror or error}); training goes on")  # fmt: skip
                 timings["checkpoint_time_s"] += time.perf_counter() - clock
                 saved = steps
             if stopping:

@@ -1673,6 +1673,62 @@ def test_overwrite_keeps_the_previous_run_until_the_new_one_saves(tmp_path, monk
     assert json.loads((folder / "summary.json").read_text())["steps_done"] == 1_000
 
 
+def test_a_checkpoint_on_the_way_that_cannot_be_written_does_not_end_the_run(
+    tmp_path, monkeypatch, capsys
+):
+    """A full disk as a checkpoint fell due ended the run with one line, the trained agents
+    lost, though its final files are far smaller (no replay buffers). Now one line says so and
+    training goes on: the run ends written whole, replacing the previous run (--overwrite),
+    which stayed as it was until then; no temporary file is left. One for a stop still ends
+    the run (atomic_open's one line, as any write)."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    previous = {name: f"previous {name}" for name in dqn.RUN_FILES}
+    for name, text in previous.items():
+        (folder / name).write_text(text)
+    monkeypatch.setattr(dqn, "TO_REPLACE", set())
+    tried = []
+
+    def full_disk(file, **arrays):
+        tried.append({path.name: path.read_bytes() for path in folder.iterdir()})
+        file.write(b"part of a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", full_disk)
+    dqn.main([*TINY_ARGS, "--checkpoint-every", "500", "--output-dir", str(folder), "--overwrite"])
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if "warning" in line]
+    assert warnings == [
+        f"dqn_cartpole.py: warning: cannot write {folder / dqn.CHECKPOINT} (No space left on "
+        "device); training goes on"
+    ], captured.err
+    aside = {dqn.set_aside(folder / name).name: text.encode() for name, text in previous.items()}
+    being_written = dqn.temporary(folder / dqn.CHECKPOINT).name
+    assert tried == [{**aside, being_written: b""}]  # after the first of two blocks
+    assert sorted(path.name for path in folder.iterdir()) == sorted(
+        [*dqn.RUN_FILES, "learning_curves.png"]
+    )
+    assert json.loads((folder / "summary.json").read_text())["steps_done"] == 1_000
+    # One for a stop (SIGTERM as training starts: after the first block): the run ends, one
+    # line, and the run it was to replace stays as it was.
+    written = {path.name: path.read_bytes() for path in folder.iterdir()}
+    start = dqn.Progress.__init__
+
+    def stop_at_once(self, *args):
+        start(self, *args)
+        signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(dqn.Progress, "__init__", stop_at_once)
+    with pytest.raises(SystemExit) as exit_info:
+        dqn.main([*TINY_ARGS, "--output-dir", str(folder), "--overwrite"])
+    assert str(exit_info.value.code) == (
+        f"dqn_cartpole.py: error: cannot write {folder / dqn.CHECKPOINT} (No space left on device)"
+    )
+    assert (
+        len(tried) == 2 and {path.name: path.read_bytes() for path in folder.iterdir()} == written
+    )
+
+
 def test_the_line_to_go_on_names_a_python_in_this_folder_by_its_path(monkeypatch):
     """Run from the folder of its Python, the line named it `python`, which a shell looks up on
     PATH (another Python, maybe without jax); with no path to it (an embedded Python), a
