@@ -1742,6 +1742,7 @@ def run_folder(template: str, overwrite: bool) -> str:
 LOCKED = {}  # folder -> the descriptor whose lock this process holds until it ends
 MADE = {}  # folder -> the folders make_folder made for it: itself if new, parents nearest first
 FOUND_EMPTY = {}  # folder named outright -> run_folder found it empty (or not there yet)
+RESUMING = []  # the folder a --resume goes on in, from its reading: locked later
 
 
 def make_folder(folder: str) -> Path:
@@ -1930,8 +1931,10 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     FOUND_EMPTY.clear()  # an earlier main()'s checks: --load and --resume make none of their own
     TO_REPLACE.clear()  # and an earlier main()'s run to replace, stopped before it wrote
+    RESUMING.clear()
     try:
         args, config, points, params, checkpoint = parse_command(argv)
+        RESUMING.extend([Path(args.resume)] if args.resume else [])
         if args.replot:
             return replot(args.replot)
         join_cluster(args)
@@ -2037,6 +2040,19 @@ def main(argv: list[str] | None = None) -> None:
             print(f"dqn_cartpole.py: stopped by {SIGNALS[stopped]} after {steps}, saved in "
                   f"{output}/; {resume_hint(output)}", file=sys.stderr)  # fmt: skip
             sys.exit(128 + stopped)
+
+
+def stopped_unfinished(signum: int) -> str:
+    """The line of a run stopped before it saved anything, by `signum`: what stays, and how to
+    go on from a checkpoint saved before (--checkpoint-every's, the one a --resume started from,
+    even before it locked the folder, a replaced run's)."""
+    unfinished = "unfinished; no file half-written"
+    if any((folder / name).exists() for folder in TO_REPLACE for name in RUN_NAMES):
+        unfinished += "; the run it was to replace stays"  # --overwrite: nothing written yet
+    kept = [folder for folder in [*LOCKED, *RESUMING] if (folder / CHECKPOINT).exists()]
+    if kept:
+        unfinished += f"; its last checkpoint stays, {resume_hint(kept[0])}"
+    return f"dqn_cartpole.py: stopped by {SIGNALS[signum]}, {unfinished}"
 
 
 def resume_hint(output: Path) -> str:
@@ -2207,15 +2223,7 @@ if __name__ == "__main__":
         for signum in SIGNALS:  # a second signal (a process group's, say) must not cut this line
             signal.signal(signum, ignore)
         signum = interrupt.args[0] if isinstance(interrupt, Stopped) else signal.SIGINT
-        unfinished = "unfinished; no file half-written"
-        kept = [folder for folder in LOCKED if (folder / CHECKPOINT).exists()]
-        if any((folder / name).exists() for folder in TO_REPLACE for name in RUN_NAMES):
-            unfinished += "; the run it was to replace stays"  # --overwrite: nothing written yet
-        # One saved before: --checkpoint-every's, the one a --resume started from, a replaced run's.
-        if kept:
-            unfinished += f"; its last checkpoint stays, {resume_hint(kept[0])}"
-        message = f"dqn_cartpole.py: stopped by {SIGNALS[signum]}, {unfinished}"
-        print(message, file=sys.stderr, flush=True)
+        print(stopped_unfinished(signum), file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(128 + signum)  # now: not after the compiled call still running in the background
     finally:  # the run has ended: in JAX's clean-up at exit, a signal has its default effect

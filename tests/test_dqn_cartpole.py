@@ -1745,6 +1745,39 @@ def test_the_line_to_go_on_names_a_python_in_this_folder_by_its_path(monkeypatch
     ]
 
 
+def test_a_resume_stopped_before_it_locks_its_folder_says_how_to_go_on(tmp_path, monkeypatch):
+    """A --resume stopped after it read the checkpoint but before it locked the folder (as it
+    joins a cluster, say) said only "unfinished": the checkpoint stays, and the line now says
+    how to go on from it, as it does once the folder is locked. A new run stopped there has
+    none to name."""
+    folder = tmp_path / "run"
+    blocks = []
+
+    def interrupt(progress, steps, seconds):  # after the first block's checkpoint
+        blocks.append(steps)
+        if len(blocks) == 2:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dqn.Progress, "__call__", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            dqn.main([*TINY_ARGS, "--checkpoint-every", "500", "--output-dir", str(folder)])
+    assert (folder / dqn.CHECKPOINT).exists()
+    monkeypatch.setattr(dqn, "LOCKED", {})  # as a fresh process holds no lock
+    monkeypatch.setattr(dqn, "join_cluster", lambda args: signal.raise_signal(signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt):
+        dqn.main(["--resume", str(folder)])
+    assert not dqn.LOCKED and dqn.stopped_unfinished(signal.SIGINT) == (
+        "dqn_cartpole.py: stopped by Ctrl-C, unfinished; no file half-written; its last "
+        f"checkpoint stays, {dqn.resume_hint(folder)}"
+    )
+    with pytest.raises(KeyboardInterrupt):
+        dqn.main([*TINY_ARGS, "--output-dir", str(tmp_path / "new")])
+    assert dqn.stopped_unfinished(signal.SIGINT) == (
+        "dqn_cartpole.py: stopped by Ctrl-C, unfinished; no file half-written"
+    )
+
+
 def test_stopped_at_once_says_how_to_go_on_from_the_last_checkpoint(tmp_path):
     """Ctrl-C twice while a resumed run compiles: it stops at once, unsaved, and the checkpoint
     it started from stays: the line says so, and how to go on (it said only "unfinished"). So
