@@ -986,18 +986,18 @@ def save_run(output: Path, summary: dict, points: list, out: dict) -> None:
         file.write(flax.serialization.to_bytes(out["params"]))
 
 
-def save_checkpoint(output: Path, run: dict, done: int, carry, metrics, fatal=True) -> None:
+def save_checkpoint(output: Path, run: dict, done: int, carry, metrics) -> None:
     """CHECKPOINT: the whole training state of every agent after `done` blocks (params, target,
     optimizer, buffer, environment, keys), the metrics so far, and the `run` (its config, grid
-    points and solved return), in one file written atomically: all --resume needs. `fatal` as
-    atomic_open's."""
+    points and solved return), in one file written atomically: all --resume needs. A write that
+    fails raises its OSError (the caller says whether the run goes on)."""
     carry = gather(carry._replace(key=jax.random.key_data(carry.key)))  # every process joins
     if jax.process_index() > 0:
         return
     real = len(run["points"]) * run["config"]["num_seeds"]  # --resume pads anew for its layout
     arrays = {f"carry_{i}": x[:real] for i, x in enumerate(jax.tree.leaves(carry))}
     arrays |= {f"metrics_{name}": x[:real] for name, x in metrics.items()}
-    with atomic_open(output / CHECKPOINT, "wb", fatal) as file:
+    with atomic_open(output / CHECKPOINT, "wb", fatal=False) as file:
         np.savez(file, run=json.dumps(run), blocks_done=done, **arrays)
 
 
@@ -1615,13 +1615,16 @@ def run_training(config, points, env, network, plan, environment, output, checkp
                 clock = time.perf_counter()
                 # One due on the way that cannot be written (a full disk, say) does not end the
                 # run: the trained agents are worth more, and its final files are far smaller
-                # (no replay buffers). One for a stop ends it, with one line, as any write.
+                # (no replay buffers, target networks or optimizer states). One for a stop ends
+                # it, with one line, as any write.
                 try:
                     with writing(output):
-                        save_checkpoint(output, run, done, carry, metrics, fatal=stopping)
+                        save_checkpoint(output, run, done, carry, metrics)
                 except OSError as error:
-                    progress.say(f"dqn_cartpole.py: warning: cannot write {output / CHECKPOINT} "
-                                 f"({error.strerror or error}); training goes on")  # fmt: skip
+                    line = f"cannot write {output / CHECKPOINT} ({error.strerror or error})"
+                    if stopping:
+                        sys.exit(f"dqn_cartpole.py: error: {line}")
+                    progress.say(f"dqn_cartpole.py: warning: {line}; training goes on")
                 timings["checkpoint_time_s"] += time.perf_counter() - clock
                 saved = steps
             if stopping:
@@ -1799,16 +1802,18 @@ def replacing(folder: Path):
     """Writes a run over a previous run's files (--overwrite), and nothing else: a file put there
     meanwhile stays. The previous files, renamed aside (no space needed), stay until the new
     run is written whole; if a write fails (a full disk, say), they are put back as they were."""
-    paths = [folder / name for name in RUN_NAMES]
-    for path in paths:  # first what a write cut short (a crash) left
-        temporary(path).unlink(missing_ok=True)
-        set_aside(path).unlink(missing_ok=True)
-        if path.exists():
-            os.replace(path, set_aside(path))
+    paths, moved, started = [folder / name for name in RUN_NAMES], [], False
     try:
+        for path in paths:  # first what a write cut short (a crash) left
+            temporary(path).unlink(missing_ok=True)
+            set_aside(path).unlink(missing_ok=True)
+            if path.exists():
+                os.replace(path, set_aside(path))
+                moved.append(path)
+        started = True
         yield
-    except BaseException:
-        for path in paths:
+    except BaseException:  # failed before the new run wrote: only what was moved comes back
+        for path in paths if started else moved:
             path.unlink(missing_ok=True)  # the new run's
             if set_aside(path).exists():
                 os.replace(set_aside(path), path)
@@ -1934,7 +1939,8 @@ def main(argv: list[str] | None = None) -> None:
     RESUMING.clear()
     try:
         args, config, points, params, checkpoint = parse_command(argv)
-        RESUMING.extend([Path(args.resume)] if args.resume else [])
+        if args.resume and rank(sys.argv[1:] if argv is None else argv) == 0:  # 0 speaks
+            RESUMING.append(Path(args.resume))
         if args.replot:
             return replot(args.replot)
         join_cluster(args)
@@ -2032,8 +2038,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"final greedy return of {plural(len(returns), 'seed')}: {scored}; {wall}")
         else:
             print("grid points, best first (by solved share, then IQM):")
-            for rank, g in enumerate(ranked(results), start=1):
-                print(f"{rank:>3}. {point_labels(points)[g]}: {score_line(results[g], solved)}")
+            for place, g in enumerate(ranked(results), start=1):
+                print(f"{place:>3}. {point_labels(points)[g]}: {score_line(results[g], solved)}")
             print(wall)
         if stopped:
             steps = f"{extra['steps_done']:,} of {config.total_timesteps:,} steps"

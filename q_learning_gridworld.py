@@ -970,16 +970,18 @@ def replacing(folder: Path):
     """Writes a run over a previous run's files (--overwrite), and nothing else: a file put there
     meanwhile stays. The previous files, renamed aside (no space needed), stay until the new
     run is written whole; if a write fails (a full disk, say), they are put back as they were."""
-    paths = [folder / name for name in RUN_NAMES]
-    for path in paths:  # first what a write cut short (a crash) left
-        temporary(path).unlink(missing_ok=True)
-        set_aside(path).unlink(missing_ok=True)
-        if path.exists():
-            os.replace(path, set_aside(path))
+    paths, moved, started = [folder / name for name in RUN_NAMES], [], False
     try:
+        for path in paths:  # first what a write cut short (a crash) left
+            temporary(path).unlink(missing_ok=True)
+            set_aside(path).unlink(missing_ok=True)
+            if path.exists():
+                os.replace(path, set_aside(path))
+                moved.append(path)
+        started = True
         yield
-    except BaseException:
-        for path in paths:
+    except BaseException:  # failed before the new run wrote: only what was moved comes back
+        for path in paths if started else moved:
             path.unlink(missing_ok=True)  # the new run's
             if set_aside(path).exists():
                 os.replace(set_aside(path), path)

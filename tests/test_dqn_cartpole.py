@@ -1677,10 +1677,10 @@ def test_a_checkpoint_on_the_way_that_cannot_be_written_does_not_end_the_run(
     tmp_path, monkeypatch, capsys
 ):
     """A full disk as a checkpoint fell due ended the run with one line, the trained agents
-    lost, though its final files are far smaller (no replay buffers). Now one line says so and
-    training goes on: the run ends written whole, replacing the previous run (--overwrite),
-    which stayed as it was until then; no temporary file is left. One for a stop still ends
-    the run (atomic_open's one line, as any write)."""
+    lost, though its final files are far smaller (no replay buffers, target networks or
+    optimizer states). Now one line says so and training goes on: the run ends written whole,
+    replacing the previous run (--overwrite), which stayed as it was until then; no temporary
+    file is left. One for a stop still ends the run, with one line."""
     folder = tmp_path / "run"
     folder.mkdir()
     previous = {name: f"previous {name}" for name in dqn.RUN_FILES}
@@ -1695,9 +1695,19 @@ def test_a_checkpoint_on_the_way_that_cannot_be_written_does_not_end_the_run(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(np, "savez", full_disk)
-    dqn.main([*TINY_ARGS, "--checkpoint-every", "500", "--output-dir", str(folder), "--overwrite"])
+    seen = []
+    progress = dqn.Progress.__call__
+
+    def look(self, steps, seconds):  # the folder as each block ends, before any checkpoint
+        seen.append({path.name: path.read_bytes() for path in folder.iterdir()})
+        progress(self, steps, seconds)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dqn.Progress, "__call__", look)
+        argv = [*TINY_ARGS, "--checkpoint-every", "500", "--output-dir", str(folder), "--overwrite"]
+        dqn.main(argv)
     captured = capsys.readouterr()
-    warnings = [line for line in captured.err.splitlines() if "warning" in line]
+    warnings = [line for line in captured.err.splitlines() if "dqn_cartpole.py: warning:" in line]
     assert warnings == [
         f"dqn_cartpole.py: warning: cannot write {folder / dqn.CHECKPOINT} (No space left on "
         "device); training goes on"
@@ -1705,6 +1715,7 @@ def test_a_checkpoint_on_the_way_that_cannot_be_written_does_not_end_the_run(
     aside = {dqn.set_aside(folder / name).name: text.encode() for name, text in previous.items()}
     being_written = dqn.temporary(folder / dqn.CHECKPOINT).name
     assert tried == [{**aside, being_written: b""}]  # after the first of two blocks
+    assert seen == [{name: text.encode() for name, text in previous.items()}] * 2  # put back
     assert sorted(path.name for path in folder.iterdir()) == sorted(
         [*dqn.RUN_FILES, "learning_curves.png"]
     )
