@@ -1812,7 +1812,7 @@ def replacing(folder: Path):
                 moved.append(path)
         started = True
         yield
-    except BaseException:  # failed before the new run wrote: only what was moved comes back
+    except BaseException:  # the old files come back (all, or those set aside before it failed)
         for path in paths if started else moved:
             path.unlink(missing_ok=True)  # the new run's
             if set_aside(path).exists():
