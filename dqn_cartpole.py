@@ -10,8 +10,8 @@ pure function from a key and HParams to params and metrics. Seed i trains on fol
     train = make_train(Config())
     keys = jax.vmap(partial(jax.random.fold_in, jax.random.key(0)))(jnp.arange(512))
     out = jax.jit(jax.vmap(train))(keys)  # {"params": [512, ...], "metrics": {name: [512, 11]}}
-    hparams = jax.tree.map(lambda v: jnp.full(512, v), Config(gamma=0.99).hparams())
-    out = jax.jit(jax.vmap(train))(keys, hparams)  # a sweep: each field an array [512]
+    hparams = jax.tree.map(lambda v: jnp.full(512, v), Config().hparams())  # a sweep of gamma:
+    out = jax.jit(jax.vmap(train))(keys, hparams._replace(gamma=jnp.linspace(0.99, 0.999, 512)))
 
 Above the appendix line: that reference, complete on its own. Below: running it sharded, reports.
 """
@@ -104,8 +104,8 @@ class Config:
 
 
 class HParams(NamedTuple):
-    """The hyperparameters that change no array shape, as data: arrays [agents] under
-    jax.vmap(train) make one compiled call a sweep. The command line checks their values."""
+    """The hyperparameters that change no array shape and no branch, as data: arrays [agents]
+    under jax.vmap(train) make one compiled call a sweep. The command line checks their values."""
 
     learning_rate: jax.Array | float
     gamma: jax.Array | float

@@ -62,7 +62,7 @@ class Config:
     epsilons: tuple[float, ...] = option((0.05, 0.1, 0.3), "comma-separated, each in [0, 1]")
     gammas: tuple[float, ...] = option((0.9,), "comma-separated, each in [0, 1)")
     max_episode_steps: int = option(0, "time limit (truncation, still bootstraps); 0 = none")
-    num_curve_points: int = option(50, "points per learning curve (memory does not grow)")
+    num_curve_points: int = option(50, "at most this many points per curve (memory does not grow)")
     # Short: thousands of agents' bits stay in cache (README). Another size, other draws.
     rng_block_steps: int = option(100, "steps whose random bits are drawn at once")
     agents_per_chunk: int = option(0, "agents a device trains at once; 0: cache-sized on CPU")
@@ -121,7 +121,7 @@ class GridWorld:
 
     rows: int
     cols: int
-    next_cell: np.ndarray  # [cells, actions] int32: where each action leads (walls: stay)
+    next_cell: np.ndarray  # [cells, actions] int32: where each action leads (into a wall: stay)
     start: int
     goal: int
     shortest_path: int  # fewest steps from S to G
@@ -188,13 +188,13 @@ def make_env(layout: str, max_episode_steps: int = 0) -> GridWorld:
             next_cell[r * cols + c, action] = r * cols + c if blocked else r2 * cols + c2
     start, goal = "".join(lines).index("S"), "".join(lines).index("G")
     # Shortest path: breadth-first, the frontier is the cells first reached in k steps.
-    reached, frontier, shortest = np.arange(rows * cols) == start, np.array([start]), 0
-    while not reached[goal]:
+    seen, frontier, shortest = np.arange(rows * cols) == start, np.array([start]), 0
+    while not seen[goal]:
         frontier = np.unique(next_cell[frontier])
-        frontier = frontier[~reached[frontier]]
+        frontier = frontier[~seen[frontier]]
         if frontier.size == 0:
             raise LayoutError("G cannot be reached from S")
-        reached[frontier], shortest = True, shortest + 1
+        seen[frontier], shortest = True, shortest + 1
     return GridWorld(rows, cols, next_cell, start, goal, shortest, max_episode_steps)
 
 
@@ -221,10 +221,10 @@ def epsilon_greedy(q_s: jax.Array, bits: jax.Array, threshold: jax.Array) -> jax
     zero-initialised table 'first maximum' would always walk right)."""
     explore = (bits & RANDOM_FIELD_MASK) < threshold
     candidates = explore | (q_s == q_s.max())  # [actions] bool
-    count = candidates.sum().astype(jnp.uint32)
-    pick = ((bits >> RANDOM_FIELD_BITS) * count) >> RANDOM_FIELD_BITS  # uniform in [0, count)
+    # The j-th candidate with j = floor(u * count), u the high 16 bits as a fraction in [0, 1).
+    j = ((bits >> RANDOM_FIELD_BITS) * candidates.sum()) >> RANDOM_FIELD_BITS
     rank = jnp.cumsum(candidates) - 1  # [actions] rank of each candidate among the candidates
-    return jnp.argmax(candidates & (rank == pick.astype(jnp.int32))).astype(jnp.int32)
+    return jnp.argmax(candidates & (rank == j)).astype(jnp.int32)
 
 
 def q_learning_update(q, cell, action, reward, terminated, reached, learning_rate, gamma):

@@ -295,7 +295,7 @@ def make_train(config: Config, env: GridWorld | None = None):
         before = carry.step
         # No unroll on purpose: unrolling this scan made it slower on CPU (measured: see README).
         after, _ = jax.lax.scan(agent_env_step, before, bits)
-        # Episode lengths cost nothing per step: a block's steps are those of the episodes that
+        # Length sums cost nothing per step: a block's steps are those of the episodes that
         # ended in it, plus the running episode's steps at its end, minus those it had at its
         # start. Returns likewise, simpler: GridWorld's only reward, 1, ends an episode, so the
         # returns of the episodes that ended in a block add up to the goals reached in it.
