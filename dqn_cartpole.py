@@ -570,7 +570,7 @@ def hparam_grid(points: list[dict[str, float]]) -> HParams:
 
 class SeedPlan(NamedTuple):
     num_devices: int
-    padded_seeds: int  # agents (grid points x seeds) rounded up to a multiple of num_devices
+    padded_seeds: int  # agents (grid points x seeds) padded to whole batches on every device
     seeds_per_batch: int  # per device: agents vmapped at once (lax.map runs the batches)
     bytes_per_seed: int
 
@@ -579,7 +579,7 @@ def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int],
     """(A generous estimate of the device memory one seed's `train` needs, in bytes, by the flag
     that drives each part, so that a refusal names the largest; the bytes every agent holds from
     block to block: its training state and metrics, thrice (a block's carry in and out, and the
-    host's copy; measured: see README)."""
+    host's copy; measured: see README))."""
     obs = jax.eval_shape(env.reset, jax.random.key(0))[0]
     params = jax.tree.leaves(jax.eval_shape(network.init, jax.random.key(0), obs))
     num_params, block, widths = (
@@ -602,7 +602,8 @@ def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int],
     wide = sum(widths) / sum(default.hidden_sizes) > config.batch_size / default.batch_size
     name = "--hidden-sizes" if wide else "--batch-size"
     words[name] = words.get(name, 0) + 6 * config.batch_size * sum(widths)
-    # 4-byte words; x2 for the temporaries XLA keeps beside the loop.
+    # In bytes (4-byte words): each need x2 for the temporaries XLA keeps beside the loop, what
+    # every agent holds x3 (above).
     held = 3 * 4 * (4 * num_params + buffer_words + num_metrics)
     return {name: 2 * 4 * count for name, count in words.items()}, held
 
@@ -637,7 +638,7 @@ def bytes_available(device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") // jax.local_device_count()
 
 
-def plan_seeds(num_agents: int, need: int, memory_fraction=0.5, platform=None) -> SeedPlan:
+def plan_seeds(num_agents: int, need: int, platform=None) -> SeedPlan:
     """Pad the agents to a multiple of the device count; batch them when they do not fit. On a
     CPU, always batches of CPU_SEEDS_PER_BATCH (or what fits), the agents padded to whole
     batches, two at least a device (XLA compiles a single batch without the loop around it, and
@@ -645,21 +646,20 @@ def plan_seeds(num_agents: int, need: int, memory_fraction=0.5, platform=None) -
     --num-seeds is, so its results are bit for bit the same. `platform` other than "cpu" gives
     the GPU layout, which a test runs on a CPU. MemoryError when not even one agent fits."""
     devices = jax.devices()  # of every process in a cluster
-    padded = -(-num_agents // len(devices)) * len(devices)
     available = bytes_available(jax.local_devices()[0])
-    fits = int(memory_fraction * available) // need
+    fits = available // 2 // need  # half of it, as check_memory
     if fits < 1:
         raise MemoryError(
             f"one seed needs ~{need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB free per "
-            "device: lower --buffer-size, --eval-every or --batch-size"
+            "device: lower --hidden-sizes, --buffer-size, --eval-every or --batch-size"
         )
     if (platform or devices[0].platform) == "cpu":
         batch = min(fits, CPU_SEEDS_PER_BATCH)
         batches = max(2, -(-num_agents // (batch * len(devices))))  # a device's batches
         return SeedPlan(len(devices), batches * batch * len(devices), batch, need)
-    per_device = padded // len(devices)  # the largest batch that fits and divides it evenly:
+    per_device = -(-num_agents // len(devices))  # the largest batch that fits and divides it:
     batch = max(b for b in range(1, fits + 1) if per_device % b == 0)
-    return SeedPlan(len(devices), padded, batch, need)
+    return SeedPlan(len(devices), per_device * len(devices), batch, need)
 
 
 def train_agents(config: Config, env, network, seed: int, grid: HParams, plan: SeedPlan,
@@ -1430,8 +1430,8 @@ def shown(value) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """One --flag per Config field, its help from the field, its default shown as typed; a
-    flag left out parses as None (main fills in the Config's default, or the --load run's env
-    and network). Its errors are ValueErrors, which main prints as one line (argparse's own
+    flag left out parses as None (parse_command fills in the Config's default, or the --load
+    run's own). Its errors are ValueErrors, which main prints as one line (argparse's own
     would add the whole usage)."""
     sweep_flags = ", ".join(flag(name) for name in HParams._fields)
     epilog = (
@@ -1888,14 +1888,15 @@ def check_sizes(config: Config) -> None:
         if f.type is int and f.name != "seed" and getattr(config, f.name) >= 2**31:
             raise ValueError(f"{flag(f.name)} must be below 2^31 (2,147,483,648)")
     if config.learning_starts >= config.total_timesteps:
-        raise ValueError("--learning-starts must be below --total-timesteps: no update would run")
+        raise ValueError("--learning-starts must be below --total-timesteps: training would end "
+                         "as its updates begin")  # fmt: skip
     first = -(-max(config.learning_starts, 1) // config.train_frequency) * config.train_frequency
     if first > config.total_timesteps:  # updates come at the multiples of train_frequency
         raise ValueError(f"--train-frequency: the first update would come at step {first:,}, "
                          "after --total-timesteps")  # fmt: skip
 
 
-def check_run(config: Config, output: Path, named_by: str = "--output-dir", writes=RUN_NAMES):
+def check_run(config: Config, output: Path, named_by: str, writes: tuple[str, ...]):
     """check_sizes, then the output folder, which the flag `named_by` chose, where the run
     `writes` these files. ValueError('--flag problem') before any work."""
     check_sizes(config)

@@ -537,8 +537,6 @@ def validate(config: Config, schedule: Schedule) -> tuple[GridWorld, Path]:
         env = make_env(config.layout, config.max_episode_steps)
     except LayoutError as error:
         raise ConfigError("layout", str(error)) from None
-    if schedule.blocks_per_point >= 2**31:  # loop counters are int32
-        raise ConfigError("total_timesteps", "too large: 2^31 blocks or more per curve point")
     if jax.process_index() == 0:  # process 0 writes for the cluster: the others' is not used
         check_output_dir(config.output_dir)
     # Per agent, in 4-byte words, by the flag that drives each part: the Q-table thrice (scan
@@ -581,7 +579,8 @@ def plural(count: int, noun: str) -> str:
 
 
 def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
-    """Compile and run make_sweep over the mesh, printing progress -> numpy [grid, seeds, ...]."""
+    """Compile and run make_sweep over the mesh, printing progress -> (numpy [grid, seeds, ...],
+    timings)."""
     num_agents = len(grid_points(config)) * config.num_seeds
     # on_point: per device, chunk and point; in a cluster, this process's devices only.
     local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
@@ -760,13 +759,15 @@ def catchable() -> list[int]:
     return [signum for signum in SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
-def save_run(output: Path, summary: dict, config: Config, result: TrainResult) -> None:
+def save_run(
+    output: Path, summary: dict, config: Config, schedule: Schedule, result: TrainResult
+) -> None:
     """RUN_FILES: the summary; curves.csv, one row per grid point x seed x curve point; the
     final Q-tables [grid, seeds, rows, cols, actions]. The figures are drawn from these."""
     with atomic_open(output / "summary.json") as file:
         json.dump(summary, file, indent=2, allow_nan=False)  # strict JSON: no NaN in it
     grid = np.array(grid_points(config))  # [grid, learning_rate epsilon gamma]
-    schedule, seeds = make_schedule(config), np.arange(config.num_seeds)[:, None]
+    seeds = np.arange(config.num_seeds)[:, None]
     point_steps = schedule.blocks_per_point * schedule.block_steps
     steps = np.minimum(np.arange(1, schedule.num_points + 1) * point_steps, config.total_timesteps)
     columns = {name: grid[:, None, None, i] for i, name in enumerate(HParams._fields)}
@@ -1429,7 +1430,7 @@ def main(argv: list[str] | None = None) -> None:
             "grid": rows,
         }
         with replacing(output):  # the run --overwrite replaces stays till now
-            save_run(output, summary, config, result)
+            save_run(output, summary, config, schedule, result)
             plot_run(output)
         print(
             f"wrote {', '.join(RUN_FILES)}, sweep_heatmap.png, learning_curves.png to {output}/, "
@@ -1487,8 +1488,9 @@ def stop(signum, frame):
 
 def stop_if_received() -> None:
     """Raises again the first signal stop() took: C code that clears errors (JAX's first import
-    of its MLIR dialects) may have dropped its exception, and the run gone on. Called before
-    training; written_whole checks RECEIVED after it."""
+    of its MLIR dialects) may have dropped its exception, and the run gone on. Called once
+    compiled, after a failed training call, and on processes other than 0 (on process 0,
+    written_whole checks RECEIVED)."""
     if RECEIVED:
         stop(RECEIVED[0], None)
 

@@ -461,21 +461,22 @@ def count_blocks(config: Config) -> int:
 
 
 def check_memory(config: Config, env: GridWorld) -> None:
-    """Refuse, before compiling, a run whose arrays need more than half the devices' memory
-    (GPU memory where reported, else RAM; the rest is for XLA and everything else), naming the
-    flag to change: the largest part of one seed's need if one seed is too many, else
-    --num-seeds. Bytes per seed, by the flag that drives each part."""
+    """Refuse, before compiling, a run whose arrays need more than half the memory, naming the
+    flag to change: --steps-per-block if indexing its blocks passes half the host's RAM, the
+    largest part of one seed's need if one seed passes half the devices' (GPU memory where
+    reported, else RAM; the rest is for XLA and everything else), else --num-seeds. Bytes per
+    seed, by the flag that drives each part."""
+    blocks = count_blocks(config)
     per_seed = {
         "--layout": 4 * 3 * env.num_cells * NUM_ACTIONS,  # the Q-table thrice: carry, loop, output
         # A block's random words, and more; a block is at most the whole run.
         "--steps-per-block": 4 * 6 * min(config.steps_per_block, config.total_timesteps),
         # On the device, then as rows of first_episodes.csv and points of the figure.
         "--num-recorded-episodes": 200 * config.num_recorded_episodes,
-        "--num-curve-points": 4 * 4 * min(config.num_curve_points, count_blocks(config)),
+        "--num-curve-points": 4 * 4 * min(config.num_curve_points, blocks),
     }
     limit = device_memory() / 2
     half_host = host_memory() / 2
-    blocks = count_blocks(config)
     if 24 * blocks > half_host:  # make_train's curve point of each block, in numpy, then jax
         fewest = -(-24 * config.total_timesteps // int(half_host))
         fail(
@@ -497,7 +498,7 @@ def check_memory(config: Config, env: GridWorld) -> None:
         )
 
 
-def value_iteration(env: GridWorld, gamma: float, tolerance: float = 1e-12) -> np.ndarray:
+def value_iteration(env: GridWorld, gamma: float) -> np.ndarray:
     """Exact Q* [num_cells, 4] of the same MDP: the yardstick for the learned Q-values."""
     next_cell, goal = env.map.next_cell, env.map.goal
     q = np.zeros(next_cell.shape)
@@ -505,7 +506,7 @@ def value_iteration(env: GridWorld, gamma: float, tolerance: float = 1e-12) -> n
         v = q.max(axis=1)
         v[goal] = 0.0  # G is terminal: nothing follows it
         new_q = (next_cell == goal) + gamma * v[next_cell]
-        if np.abs(new_q - q).max() < tolerance:
+        if np.abs(new_q - q).max() < 1e-12:
             return new_q
         q = new_q
 
@@ -809,10 +810,10 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-def fail(message: str, status: int = 2):
-    """Exit with one line on stderr (argparse would add its usage)."""
+def fail(message: str):
+    """Exit with one line on stderr, status 2 (argparse would add its usage)."""
     print(f"q_learning_gridworld.py: error: {message}", file=sys.stderr)
-    sys.exit(status)
+    sys.exit(2)
 
 
 # Larger is not a map anyone draws by hand, and parsing it in Python would take minutes.
@@ -1055,7 +1056,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"output {output_dir}/")
     few_seeds = config.num_seeds < CPU_MIN_SEEDS_TO_VMAP * jax.device_count()
     batch_size = 1 if jax.default_backend() == "cpu" and few_seeds else None
-    devices = plural(jax.device_count(), f"{jax.default_backend()} device")
+    devices = plural(min(config.num_seeds, jax.device_count()), f"{jax.default_backend()} device")
     print(f"{plural(config.num_seeds, 'seed')} x {config.total_timesteps:,} steps on {devices}")
     try:
         out, timings = train_seeds(
