@@ -295,9 +295,8 @@ def greedy_episodes(key, params, env, network: QNetwork, num_episodes: int, keep
     obs, state = jax.vmap(env.reset)(keys[:-1])  # [episodes, obs]
     max_steps = int(env.default_params.max_steps_in_episode)  # a float in gymnax's bandits
 
-    def eval_step(carry, step_key):
+    def eval_step(carry, keys):  # keys [episodes]: this step's, drawn with all the others
         obs, state, alive, total = carry
-        keys = jax.random.split(step_key, num_episodes)
         action = jnp.argmax(network.apply(params, obs), axis=-1)  # [episodes]
         next_obs, state, reward, terminated, truncated, _ = jax.vmap(env.step)(keys, state, action)
         total = total + reward * alive
@@ -305,7 +304,8 @@ def greedy_episodes(key, params, env, network: QNetwork, num_episodes: int, keep
         return carry, ((obs, alive) if keep_obs else None)
 
     init = (obs, state, jnp.ones(num_episodes, bool), jnp.zeros(num_episodes, jnp.float32))
-    (_, _, _, total), seen = jax.lax.scan(eval_step, init, jax.random.split(keys[-1], max_steps))
+    step_keys = jax.random.split(keys[-1], (max_steps, num_episodes))  # [steps, episodes]
+    (_, _, _, total), seen = jax.lax.scan(eval_step, init, step_keys)
     return (total, seen) if keep_obs else total
 
 
