@@ -1071,8 +1071,7 @@ def main(argv: list[str] | None = None) -> None:
         seeds, seed_0 = plural(config.num_seeds, "seed"), summary["seeds"][0]
         print(
             f"compile {timings['compile_time_s']:.2f} s, train {timings['train_time_s']:.3f} s, "
-            f"{summary['agent_steps_per_s'] / 1e6:.1f}M agent-steps/s ({seeds} x "
-            f"{config.total_timesteps} steps on {devices})"
+            f"{summary['agent_steps_per_s'] / 1e6:.1f}M agent-steps/s"
         )
         print(
             f"greedy path from S is a shortest path ({seed_0['shortest_path_length']} steps) for "
