@@ -295,8 +295,10 @@ def greedy_episodes(key, params, env, network: QNetwork, num_episodes: int, keep
     obs, state = jax.vmap(env.reset)(keys[:-1])  # [episodes, obs]
     max_steps = int(env.default_params.max_steps_in_episode)  # a float in gymnax's bandits
 
-    def eval_step(carry, keys):  # keys [episodes]: this step's, drawn with all the others
+    def eval_step(carry, step_key):
         obs, state, alive, total = carry
+        # Split here, not drawn for every step at once: [steps, episodes] keys grow with episodes.
+        keys = jax.random.split(step_key, num_episodes)
         action = jnp.argmax(network.apply(params, obs), axis=-1)  # [episodes]
         next_obs, state, reward, terminated, truncated, _ = jax.vmap(env.step)(keys, state, action)
         total = total + reward * alive
@@ -304,8 +306,7 @@ def greedy_episodes(key, params, env, network: QNetwork, num_episodes: int, keep
         return carry, ((obs, alive) if keep_obs else None)
 
     init = (obs, state, jnp.ones(num_episodes, bool), jnp.zeros(num_episodes, jnp.float32))
-    step_keys = jax.random.split(keys[-1], (max_steps, num_episodes))  # [steps, episodes]
-    (_, _, _, total), seen = jax.lax.scan(eval_step, init, step_keys)
+    (_, _, _, total), seen = jax.lax.scan(eval_step, init, jax.random.split(keys[-1], max_steps))
     return (total, seen) if keep_obs else total
 
 
@@ -1888,8 +1889,8 @@ def check_sizes(config: Config) -> None:
         if f.type is int and f.name != "seed" and getattr(config, f.name) >= 2**31:
             raise ValueError(f"{flag(f.name)} must be below 2^31 (2,147,483,648)")
     if config.learning_starts >= config.total_timesteps:
-        raise ValueError("--learning-starts must be below --total-timesteps: training would end "
-                         "as its updates begin")  # fmt: skip
+        raise ValueError("--learning-starts must be below --total-timesteps: at most one update "
+                         "would run")  # fmt: skip
     first = -(-max(config.learning_starts, 1) // config.train_frequency) * config.train_frequency
     if first > config.total_timesteps:  # updates come at the multiples of train_frequency
         raise ValueError(f"--train-frequency: the first update would come at step {first:,}, "

@@ -383,8 +383,8 @@ def test_a_run_under_jax_debug_nans_leaves_blanks_where_a_block_had_no_update(tm
 
 
 def test_seeds_get_different_init_and_exploration():
-    # Updates would begin at the last step, so the params stay the initial ones (but for that
-    # one update) and the training returns depend on exploration only.
+    # At most one update runs, at the last step: the training returns depend on exploration
+    # only.
     config = dataclasses.replace(TINY, learning_starts=TINY.total_timesteps, epsilon_end=1.0)
     keys = jax.random.split(jax.random.key(0), 3)
     out = jax.jit(jax.vmap(dqn.make_train(config)))(keys)
