@@ -1530,6 +1530,27 @@ def check_params(params, network: QNetwork, env, folder: str, agents: int) -> No
         raise ValueError(f"--load {folder}: its params.msgpack does not hold its {agents} agents")
 
 
+def load_evaluation(config: Config, env, network: QNetwork, params):
+    """--load's evaluation, compiled: fresh greedy episodes of every agent at once, agent i
+    playing split(key(seed))[i] -> a function that runs it, to the mean returns [agents].
+    MemoryError naming --eval-episodes, before it runs, when the memory XLA counts for it is
+    over half a device's free memory (it was an out-of-memory traceback)."""
+    play = partial(greedy_episodes, env=env, network=network, num_episodes=config.eval_episodes)
+    agents = jax.tree.leaves(params)[0].shape[0]
+    keys = jax.random.split(jax.random.key(config.seed), agents)
+    evaluate = jax.jit(jax.vmap(lambda k, p: play(k, p).mean())).lower(keys, params).compile()
+    used = evaluate.memory_analysis()
+    need = used.temp_size_in_bytes + used.argument_size_in_bytes + used.output_size_in_bytes
+    available = bytes_available(jax.local_devices()[0])
+    if need > available // 2:
+        raise MemoryError(
+            f"--eval-episodes {config.eval_episodes}: evaluating {agents} agents at once needs "
+            f"~{need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB free (half of it usable); "
+            "fewer episodes"
+        )
+    return lambda: np.asarray(evaluate(keys, params))
+
+
 def check_same_run(saved: Config, given: dict, folder: str) -> None:
     """--load: the env, network and seeds given must be the saved run's, or a ValueError; ours
     and gymnax's CartPole agree (the same task, checked)."""
@@ -1969,6 +1990,7 @@ def main(argv: list[str] | None = None) -> None:
         network = QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
         if args.load:  # the saved params must be this env's and network's, one per agent
             check_params(params, network, env, args.load, len(points) * config.num_seeds)
+            evaluate = load_evaluation(config, env, network, params)
         plan = None  # --load holds no replay buffer: its run's training sizes do not apply
         if not args.load:
             terms, held_bytes = memory_need(config, env, network)
@@ -1996,10 +2018,8 @@ def main(argv: list[str] | None = None) -> None:
     environment = {"id": env_id, "obs_size": obs_size, "num_actions": env.num_actions}
     environment["solved_return"] = solved
     stop_if_received()
-    if args.load:  # fresh greedy episodes of the saved params; agent i plays split(key)[i]
-        play = partial(greedy_episodes, env=env, network=network, num_episodes=config.eval_episodes)
-        keys = jax.random.split(jax.random.key(config.seed), jax.tree.leaves(params)[0].shape[0])
-        returns = np.asarray(jax.jit(jax.vmap(lambda k, p: play(k, p).mean()))(keys, params))
+    if args.load:  # fresh greedy episodes of the saved params
+        returns = evaluate()
         extra, stopped = {"loaded_from": str(Path(args.load).resolve())}, None
     # From the end of training (run_training handles signals until then), a signal waits until
     # the run is written: no moment between the two where it would lose the trained run.

@@ -1495,7 +1495,9 @@ def test_curves_cut_short_are_refused_not_drawn(tmp_path):
 
 def test_load_refuses_params_of_other_agents_than_the_summary_says(tmp_path, capsys):
     """One seed short, or the network's names and shapes in another dtype (complex params ended
-    in a traceback, float64 ones were evaluated as they came)."""
+    in a traceback, float64 ones were evaluated as they came). And the run's own params with more
+    --eval-episodes than memory holds: one line before it plays (an out-of-memory traceback), no
+    folder made and nothing written."""
     network = dqn.QNetwork(TINY.hidden_sizes, 2, TINY.layer_norm)
     init = jax.vmap(lambda key: network.init(key, jnp.zeros(4)))
     params = init(jax.random.split(jax.random.key(0), TINY.num_seeds))
@@ -1511,6 +1513,15 @@ def test_load_refuses_params_of_other_agents_than_the_summary_says(tmp_path, cap
             dqn.main(["--load", str(tmp_path)])
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_info.value.code == 2 and len(err) == 1 and problem in err[0], err
+    (tmp_path / "params.msgpack").write_bytes(flax.serialization.msgpack_serialize(params))
+    elsewhere = tmp_path / "elsewhere"
+    with pytest.raises(SystemExit) as exit_info:  # 10^9 episodes: hundreds of GiB
+        dqn.main(["--load", str(tmp_path), "--eval-episodes", "1000000000", "--output-dir",
+                  str(elsewhere)])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("dqn_cartpole.py: error: --eval-episodes 1000000000: evaluating"), err
+    assert not elsewhere.exists() and not (tmp_path / "load_summary.json").exists()
 
 
 def test_load_of_a_damaged_run_names_the_file_and_its_error(tmp_path, capsys):
