@@ -576,7 +576,7 @@ class SeedPlan(NamedTuple):
     bytes_per_seed: int
 
 
-def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int], int]:
+def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int], dict]:
     """(A generous estimate of the device memory one seed's `train` needs, in bytes, by the flag
     that drives each part, so that a refusal names the largest; the bytes every agent holds from
     block to block: its training state and metrics, thrice (a block's carry in and out, and the
@@ -603,17 +603,20 @@ def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int],
     wide = sum(widths) / sum(default.hidden_sizes) > config.batch_size / default.batch_size
     name = "--hidden-sizes" if wide else "--batch-size"
     words[name] = words.get(name, 0) + 6 * config.batch_size * sum(widths)
+    held = {"--hidden-sizes": 4 * num_params, "--buffer-size": buffer_words}
+    held["--total-timesteps"] = num_metrics  # what every agent holds, by flag likewise
     # In bytes (4-byte words): each need x2 for the temporaries XLA keeps beside the loop, what
     # every agent holds x3 (above).
-    held = 3 * 4 * (4 * num_params + buffer_words + num_metrics)
-    return {name: 2 * 4 * count for name, count in words.items()}, held
+    need = {name: 2 * 4 * count for name, count in words.items()}
+    return need, {name: 3 * 4 * count for name, count in held.items()}
 
 
-def check_memory(terms: dict[str, int], held_bytes: int, num_agents: int) -> None:
-    """MemoryError naming the flag to change, before any work: when one seed's training does not
-    fit in half a device's free memory (the flag of its largest part), or what all agents hold
-    from block to block (memory_need), saved to this host at each checkpoint, does not fit in
-    half its free memory."""
+def check_memory(terms: dict[str, int], held: dict[str, int], num_agents: int) -> SeedPlan:
+    """The seed plan (plan_seeds), or a MemoryError naming the flag to change, before any work:
+    when one seed's training does not fit in half a device's free memory (the flag of its
+    largest part), or what every agent the plan trains, its padding ones too, holds from block
+    to block (memory_need), saved to this host at each checkpoint, does not fit in half its free
+    memory (--num-seeds, or the largest part of an agent's state when the seeds asked for fit)."""
     available = bytes_available(jax.local_devices()[0])
     need = sum(terms.values())
     if need > available // 2:
@@ -622,13 +625,22 @@ def check_memory(terms: dict[str, int], held_bytes: int, num_agents: int) -> Non
             f"{largest}: one seed needs ~{need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB "
             f"free per device (half of it usable); lower {largest}"
         )
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    if held_bytes * num_agents > host // 2:
+    plan, per_agent = plan_seeds(num_agents, need), sum(held.values())
+    host, trained = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), plan.padded_seeds
+    if per_agent * num_agents > host // 2:
         raise MemoryError(
             f"--num-seeds: the training state of {num_agents} agents needs "
-            f"~{held_bytes * num_agents / 2**30:.1f} GiB, more than half the "
+            f"~{per_agent * num_agents / 2**30:.1f} GiB, more than half the "
             f"{host / 2**30:.1f} GiB free here; fewer seeds (or grid points)"
         )
+    if per_agent * trained > host // 2:  # the padding agents each hold a buffer too
+        largest = max(held, key=held.get)
+        raise MemoryError(
+            f"{largest}: the training state of {trained} agents ({num_agents} asked for, padded "
+            f"to whole batches) needs ~{per_agent * trained / 2**30:.1f} GiB, more than half the "
+            f"{host / 2**30:.1f} GiB free here; lower {largest}"
+        )
+    return plan
 
 
 def bytes_available(device) -> int:
@@ -1993,9 +2005,8 @@ def main(argv: list[str] | None = None) -> None:
             evaluate = load_evaluation(config, env, network, params)
         plan = None  # --load holds no replay buffer: its run's training sizes do not apply
         if not args.load:
-            terms, held_bytes = memory_need(config, env, network)
-            check_memory(terms, held_bytes, len(points) * config.num_seeds)
-            plan = plan_seeds(len(points) * config.num_seeds, sum(terms.values()))
+            terms, held = memory_need(config, env, network)
+            plan = check_memory(terms, held, len(points) * config.num_seeds)
         if jax.process_index() == 0:  # last: a refused run leaves nothing behind
             try:
                 output = make_folder(str(output))

@@ -42,11 +42,10 @@ def article_run(timesteps: int, num_agents: int):
         )  # fmt: skip
         dqn.check_sizes(config)
         network = dqn.QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
-        terms, held_bytes = dqn.memory_need(config, env, network)
-        dqn.check_memory(terms, held_bytes, num_agents)
+        plan = dqn.check_memory(*dqn.memory_need(config, env, network), num_agents)
     except (ValueError, MemoryError) as error:
         cli.fail(f"--num-agents {num_agents}, --timesteps {timesteps}: the DQN's {error}")
-    return dqn, config, env, network, dqn.plan_seeds(num_agents, sum(terms.values()))
+    return dqn, config, env, network, plan
 
 
 def train_ours(timesteps: int, num_agents: int) -> None:

@@ -85,11 +85,9 @@ def main() -> None:
         )  # fmt: skip
         dqn.check_sizes(config)
         network = dqn.QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
-        terms, held_bytes = dqn.memory_need(config, env, network)
-        dqn.check_memory(terms, held_bytes, args.seeds)
+        plan = dqn.check_memory(*dqn.memory_need(config, env, network), args.seeds)
     except (ValueError, MemoryError) as error:
         cli.fail(f"--seeds {args.seeds}, --timesteps {args.timesteps}: the DQN's {error}")
-    plan = dqn.plan_seeds(args.seeds, sum(terms.values()))
     grid = dqn.hparam_grid([config.hparams()._asdict()])
     times = {"blocks": [], "one call": []}
     with tempfile.TemporaryDirectory() as folder:

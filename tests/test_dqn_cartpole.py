@@ -463,11 +463,28 @@ def test_memory_check_counts_what_every_agent_holds_between_blocks():
         return 8 if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x.size * x.dtype.itemsize
 
     state_bytes = sum(nbytes(x) for x in jax.tree.leaves(state))
-    assert held >= 2 * state_bytes
+    per_agent = sum(held.values())
+    assert per_agent >= 2 * state_bytes and max(held, key=held.get) == "--buffer-size"
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     with pytest.raises(MemoryError, match="--num-seeds"):
-        dqn.check_memory(terms, held, host // held)
-    dqn.check_memory(terms, held, host // held // 4)  # a quarter of it passes
+        dqn.check_memory(terms, held, host // per_agent)
+    plan = dqn.check_memory(terms, held, host // per_agent // 4)  # a quarter of it passes
+    assert plan.padded_seeds >= host // per_agent // 4
+
+
+@pytest.mark.cpu_devices
+def test_memory_check_counts_the_padding_agents_of_whole_batches():
+    """A CPU trains one seed as 64 agents (two batches of 16 a device), each holding its own
+    buffer: one seed whose 64 agents do not fit is refused, naming the largest part of an
+    agent's state (it passed, then ran out of memory, or hung)."""
+    env = dqn.CartPole()
+    terms, held = dqn.memory_need(TINY, env, dqn.QNetwork(TINY.hidden_sizes, 2, TINY.layer_norm))
+    host, per_agent = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), sum(held.values())
+    padded = dqn.plan_seeds(1, sum(terms.values())).padded_seeds
+    assert padded == 64
+    fat = {name: size * host // (per_agent * padded) for name, size in held.items()}
+    with pytest.raises(MemoryError, match=r"--buffer-size: the training state of 64 agents \(1"):
+        dqn.check_memory(terms, fat, 1)
 
 
 def test_memory_estimate_takes_sizes_from_the_network():
