@@ -1560,7 +1560,7 @@ def load_evaluation(config: Config, env, network: QNetwork, params):
             f"~{need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB free (half of it usable); "
             "fewer episodes"
         )
-    return lambda: np.asarray(evaluate(keys, params))
+    return lambda: np.asarray(wait(evaluate(keys, params)))  # wait: a Ctrl-C is not kept waiting
 
 
 def check_same_run(saved: Config, given: dict, folder: str) -> None:

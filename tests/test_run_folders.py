@@ -405,16 +405,15 @@ def test_a_signal_once_training_has_ended_waits_until_the_run_is_written(script,
 def test_a_signal_dropped_once_training_has_begun_stops_the_run_once_written(script, tmp_path):
     """A signal whose exception C code dropped (see above) after the check before training: the
     run goes on, but exits as stopped by the signal once it is written whole, not 0. Here it is
-    sent and dropped as the run waits for its training (the tabular scripts' compiled call), or
-    as --load's evaluation is traced (the DQN trains inside written_whole, whose handlers raise
-    nothing)."""
+    sent and dropped as the run waits for its compiled call: the tabular scripts' training, or
+    --load's evaluation (the DQN trains inside written_whole, whose handlers raise nothing)."""
     output = tmp_path / "run"
     argv = [script.__file__, *shlex.split(SHORT_RUNS[script]), "--output-dir", str(output)]
     function, written = "wait", script.RUN_FILES
     if script is dqn_cartpole:
         subprocess.run([sys.executable, *argv], capture_output=True, check=True)  # main() would
         # keep its folder locked
-        argv, function = [script.__file__, "--load", str(output)], "greedy_episodes"
+        argv = [script.__file__, "--load", str(output)]
         written = ["load_summary.json"]
     result = run_signalled_as_called(argv, function, drop=True)
     err = result.stderr.strip().splitlines()
