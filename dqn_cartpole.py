@@ -603,8 +603,11 @@ def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int],
     wide = sum(widths) / sum(default.hidden_sizes) > config.batch_size / default.batch_size
     name = "--hidden-sizes" if wide else "--batch-size"
     words[name] = words.get(name, 0) + 6 * config.batch_size * sum(widths)
-    held = {"--hidden-sizes": 4 * num_params, "--buffer-size": buffer_words}
-    held["--total-timesteps"] = num_metrics  # what every agent holds, by flag likewise
+    held = {  # what every agent holds from block to block, by the flag that drives each part
+        "--hidden-sizes": 4 * num_params,  # params, target and Adam's two moments
+        "--buffer-size": buffer_words,
+        "--total-timesteps": num_metrics,
+    }
     # In bytes (4-byte words): each need x2 for the temporaries XLA keeps beside the loop, what
     # every agent holds x3 (above).
     need = {name: 2 * 4 * count for name, count in words.items()}
