@@ -583,11 +583,8 @@ def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int],
     host's copy; measured: see README))."""
     obs = jax.eval_shape(env.reset, jax.random.key(0))[0]
     params = jax.tree.leaves(jax.eval_shape(network.init, jax.random.key(0), obs))
-    num_params, block, widths = (
-        sum(x.size for x in params),
-        min(config.eval_every, config.total_timesteps),
-        config.hidden_sizes,
-    )
+    num_params, widths = sum(x.size for x in params), config.hidden_sizes
+    block = min(config.eval_every, config.total_timesteps)
     num_metrics = 6 * (1 + config.total_timesteps // block)
     buffer_words = config.buffer_size * (2 * obs.size + 3)
     words = {
@@ -1060,31 +1057,28 @@ def saved_config(saved: dict) -> Config:
 def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int]:
     """(Config, grid points, solved return, (blocks done, carry leaves, metrics), checkpoint
     cadence) of a run that saved a checkpoint; any problem is a one-line ValueError."""
+    given = f"--resume {folder}"
+    path, summary = Path(folder) / CHECKPOINT, Path(folder) / "summary.json"
     if not Path(folder).is_dir():
-        raise ValueError(f"--resume {folder}: no such folder" if not Path(folder).exists() else
-                         f"--resume {folder}: not a folder")  # fmt: skip
-    aside = set_aside(Path(folder) / CHECKPOINT)  # --overwrite's, killed as it replaced this run
-    if not (Path(folder) / CHECKPOINT).exists() and aside.exists():
+        raise ValueError(f"{given}: {'not a' if Path(folder).exists() else 'no such'} folder")
+    aside = set_aside(path)  # --overwrite's, killed as it replaced this run
+    if not path.exists() and aside.exists():
         raise ValueError(
-            f"--resume {folder}: no {CHECKPOINT}, but {aside.name}, which a run killed as it "
+            f"{given}: no {CHECKPOINT}, but {aside.name}, which a run killed as it "
             "replaced this one set aside: rename it to go on"
         )
-    if (Path(folder) / "summary.json").exists() and not (Path(folder) / CHECKPOINT).exists():
+    if summary.exists() and not path.exists():
         try:  # another script's run, say
-            saved_config(json.loads((Path(folder) / "summary.json").read_text())["config"])
+            saved_config(json.loads(summary.read_text())["config"])
         except Exception as error:
-            raise ValueError(
-                f"--resume {folder}: not a run of dqn_cartpole.py ({describe(error)})"
-            ) from None
-        raise ValueError(
-            f"--resume {folder}: its run has ended (only a stopped run has a checkpoint)"
-        )
-    if not (Path(folder) / CHECKPOINT).exists():
-        raise ValueError(f"--resume {folder}: no {CHECKPOINT} in it (a stopped run saves one)")
+            raise ValueError(f"{given}: not a run of dqn_cartpole.py ({describe(error)})") from None
+        raise ValueError(f"{given}: its run has ended (only a stopped run has a checkpoint)")
+    if not path.exists():
+        raise ValueError(f"{given}: no {CHECKPOINT} in it (a stopped run saves one)")
     try:
-        if not zipfile.is_zipfile(Path(folder) / CHECKPOINT):  # np.load would try a pickle
+        if not zipfile.is_zipfile(path):  # np.load would try a pickle
             raise ValueError(f"{CHECKPOINT} is not an .npz archive")
-        with np.load(Path(folder) / CHECKPOINT) as file:
+        with np.load(path) as file:
             run = json.loads(str(file["run"]))
             num_leaves = sum(name.startswith("carry_") for name in file.files)
             leaves = [file[f"carry_{i}"] for i in range(num_leaves)]
@@ -1113,12 +1107,10 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int
             raise ValueError(f"its checkpoint cadence {every!r} is not a whole number >= 0")
         x64 = run.get("jax_enable_x64", jax.config.jax_enable_x64)  # older checkpoints: unsaid
     except Exception as error:
-        raise ValueError(
-            f"--resume {folder}: no checkpoint to resume from ({describe(error)})"
-        ) from None
+        raise ValueError(f"{given}: no checkpoint to resume from ({describe(error)})") from None
     if x64 != jax.config.jax_enable_x64:  # float64 arrays where float32 ones are wanted, or back
         setting = "set" if x64 else "unset"
-        raise ValueError(f"--resume {folder}: its run had JAX_ENABLE_X64 {setting}; so must this")
+        raise ValueError(f"{given}: its run had JAX_ENABLE_X64 {setting}; so must this")
     return config, run["points"], solved, (done, leaves, metrics), every
 
 
@@ -1319,15 +1311,15 @@ def check_coordinator(address: str, process_id: int, num_processes: int, timeout
     must be able to listen on the port; the others knock there, waiting up to `timeout` s for it
     to listen, and it waits as long for all of them to knock before JAX's coordinator starts."""
     host, _, port = address.rpartition(":")
+    given = f"--coordinator-address {address}"
     if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 2**16:
         raise ValueError(f"--coordinator-address {address!r}: expected HOST:PORT, a port 1-65535")
     if ":" in host:  # JAX's client aborts on an IPv6 address, and the probe below is IPv4
-        raise ValueError(f"--coordinator-address {address}: IPv6; give a host name or IPv4")
+        raise ValueError(f"{given}: IPv6; give a host name or IPv4")
     try:  # JAX's client would abort
         socket.getaddrinfo(host, int(port))
     except OSError as error:
-        message = f"--coordinator-address {address}: cannot resolve {host!r} ({error})"
-        raise ValueError(message) from None
+        raise ValueError(f"{given}: cannot resolve {host!r} ({error})") from None
     deadline = time.monotonic() + timeout
     if process_id == 0:
         with socket.socket() as probe:
@@ -1336,8 +1328,7 @@ def check_coordinator(address: str, process_id: int, num_processes: int, timeout
             try:
                 probe.bind(("", int(port)))
             except OSError as error:
-                message = f"--coordinator-address {address}: cannot listen ({error})"
-                raise ValueError(message) from None
+                raise ValueError(f"{given}: cannot listen ({error})") from None
             probe.listen()
             for knocked in range(num_processes - 1):
                 probe.settimeout(max(deadline - time.monotonic(), 1e-3))
@@ -1345,9 +1336,8 @@ def check_coordinator(address: str, process_id: int, num_processes: int, timeout
                     probe.accept()[0].close()
                 except OSError:  # the time-out
                     raise ValueError(
-                        f"--coordinator-address {address}: {knocked} of the {num_processes - 1} "
-                        f"other processes came within {timeout:g} s (--cluster-timeout); are "
-                        "they all running?"
+                        f"{given}: {knocked} of the {num_processes - 1} other processes came "
+                        f"within {timeout:g} s (--cluster-timeout); are they all running?"
                     ) from None
         return
     while True:
@@ -1357,8 +1347,8 @@ def check_coordinator(address: str, process_id: int, num_processes: int, timeout
         except OSError:
             if time.monotonic() > deadline:
                 raise ValueError(
-                    f"--coordinator-address {address}: nobody answered within {timeout:g} s "
-                    "(--cluster-timeout); is process 0 running?"
+                    f"{given}: nobody answered within {timeout:g} s (--cluster-timeout); is "
+                    "process 0 running?"
                 ) from None
             time.sleep(0.2)
 
@@ -1513,12 +1503,11 @@ def build_parser() -> argparse.ArgumentParser:
 def load_run(folder: str) -> tuple[Config, Any, list | None]:
     """Saved config, params and grid points (None: one configuration) of a run folder; any
     problem is a one-line ValueError."""
+    given = f"--load {folder}"
     if not Path(folder).is_dir():
-        raise ValueError(
-            f"--load {folder}: {'not a' if Path(folder).exists() else 'no such'} folder"
-        )
+        raise ValueError(f"{given}: {'not a' if Path(folder).exists() else 'no such'} folder")
     if not (Path(folder) / "summary.json").is_file():
-        raise ValueError(f"--load {folder}: not a saved run (it has no summary.json)")
+        raise ValueError(f"{given}: not a saved run (it has no summary.json)")
     try:
         with reading(Path(folder) / "summary.json") as path:
             summary = json.loads(path.read_text())
@@ -1528,7 +1517,7 @@ def load_run(folder: str) -> tuple[Config, Any, list | None]:
         with reading(Path(folder) / "params.msgpack") as path:
             params = flax.serialization.msgpack_restore(path.read_bytes())
     except ValueError as error:  # reading's, which names the file
-        raise ValueError(f"--load {folder}: cannot read its {error}") from None
+        raise ValueError(f"{given}: cannot read its {error}") from None
     return config, params, grid
 
 
@@ -1890,9 +1879,7 @@ def check_backend() -> None:
         try:
             jax.devices()
         except Exception as error:  # a RuntimeError, or an AssertionError for a missing cuda
-            detail = (
-                str(error).splitlines()[0][:200] if str(error) else "JAX could start no platform"
-            )
+            detail = (str(error) or "JAX could start no platform").splitlines()[0][:200]
             # A cluster's wait for every process's list of devices, timed out:
             if jax.distributed.is_initialized() and "topolog" in detail:
                 detail = detail.partition(" (you may need to uninstall")[0]  # JAX's plugin hint
@@ -1963,10 +1950,8 @@ def replot(folder: str) -> None:
         with reading(output / "summary.json") as path:  # its config, checked as --load does
             saved_config(json.loads(path.read_text())["config"])
         path = plot_run(output)
-    except Exception as error:  # a damaged file: one line, not a traceback
-        message = f"--replot {folder}: cannot redraw ({describe(error)})"[:300]
-        print(f"dqn_cartpole.py: error: {message}", file=sys.stderr)
-        sys.exit(2)
+    except Exception as error:  # a damaged file: one line (main's), not a traceback
+        raise ValueError(f"--replot {folder}: cannot redraw ({describe(error)})"[:300]) from None
     print(f"redrew {path} from the saved files (no training)")
 
 
@@ -2199,9 +2184,7 @@ def rank(argv: list[str]) -> int:
     ranks = [os.environ.get(name) for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK")]
     given = [flags.parse_known_args(argv)[0].process_id, *ranks]
     rank = next((r for r in given if r is not None), "0")
-    if not (rank.isascii() and rank.isdigit()):  # a bad --process-id: main says so, in one line
-        return 0
-    return int(rank)
+    return int(rank) if rank.isascii() and rank.isdigit() else 0  # a bad one: main says so
 
 
 def die_with_parent() -> None:
@@ -2229,12 +2212,8 @@ def watch(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # a SIGTERM that came as JAX loaded
     errors = child.communicate()[1]
-    if child.returncode == -signal.SIGABRT:
-        print(
-            "dqn_cartpole.py: error: process 0 of the cluster stopped; so does this one",
-            file=sys.stderr,
-        )
-        return 1
+    if child.returncode == -signal.SIGABRT:  # exit 1
+        sys.exit("dqn_cartpole.py: error: process 0 of the cluster stopped; so does this one")
     sys.stderr.buffer.write(errors)
     return child.returncode if child.returncode >= 0 else 128 - child.returncode
 
