@@ -1085,11 +1085,16 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int
             metrics = {name: file[f"metrics_{name}"] for name in CURVES}
             done = int(file["blocks_done"])
         config = saved_config(run["config"])
-        for point in run["points"]:  # each a valid grid point (KeyError for a missing value)
-            grid_points({name: (float(point[name]),) for name in HParams._fields})
+        for point in run["points"]:  # each a valid grid point: numbers, no other key
+            kinds = {name: type(value) for name, value in point.items()}
+            if kinds.keys() != set(HParams._fields) or not set(kinds.values()) <= {int, float}:
+                raise ValueError(f"a grid point is not one number a hyperparameter: {point!r:.100}")
+            grid_points({name: (point[name],) for name in HParams._fields})
         blocks = sum(count for _, count, _ in config.blocks)
         if not run["points"] or not 0 <= done < blocks:
             raise ValueError(f"{len(run['points'])} grid points, {done} of {blocks} blocks done")
+        if run["points"][0] != config.hparams()._asdict():  # as parse_command built them
+            raise ValueError("its config is not its first grid point")
         agents = {len(x) for x in (*leaves, *metrics.values())}  # of each array
         evals = {m.shape[1:] for m in metrics.values()}  # step 0 and one a block done
         if agents != {len(run["points"]) * config.num_seeds} or evals != {(done + 1,)}:

@@ -1906,7 +1906,13 @@ def test_a_checkpoint_that_does_not_hold_together_is_one_line(tmp_path):
     for changes, why in (
         ({"points": []}, "0 grid points, 2 of 10 blocks done"),
         ({"done": 10**6}, "1 grid points, 1000000 of 10 blocks done"),
-        ({"points": [{"gamma": 0.9}]}, "KeyError: 'learning_rate'"),
+        ({"points": [{"gamma": 0.9}]}, "a grid point is not one number a hyperparameter: {'g"),
+        # A point that is not its config's, or not of numbers: --resume trained with it, and its
+        # summary said the config's values.
+        ({"points": [point | {"gamma": 0.5}]}, "its config is not its first grid point"),
+        ({"points": [point | {"gamma": "0.5"}]}, "a grid point is not one number a hyperpa"),
+        ({"points": [point | {"gamma": True}]}, "a grid point is not one number a hyperpa"),
+        ({"points": [point | {"other": 1.0}]}, "a grid point is not one number a hyperpa"),
         ({"done": -1}, "1 grid points, -1 of 10 blocks done"),
         ({"done": 1, "arrays": metrics(0)}, agents),  # one block done, metrics of step 0 only
         # more agents than its config has seeds: --resume trained and reported the first ones
