@@ -1532,7 +1532,10 @@ def check_params(params, network: QNetwork, env, folder: str, agents: int) -> No
     obs = jax.eval_shape(env.reset, jax.random.key(0))[0]
     shapes = jax.eval_shape(network.init, jax.random.key(0), obs)
     wanted = jax.tree.map(lambda x: (x.shape, x.dtype), shapes)
-    saved = jax.tree.map(lambda x: (np.shape(x)[1:], np.asarray(x).dtype), params)
+    try:  # keys of two types (1 and "params") are no pytree: JAX cannot sort them
+        saved = jax.tree.map(lambda x: (np.shape(x)[1:], np.asarray(x).dtype), params)
+    except (TypeError, ValueError):
+        saved = None
     if wanted != saved:  # a dict of the same names and (shape, dtype) pairs
         raise ValueError(f"--load {folder}: its params.msgpack is not its own env's and network's")
     if {len(x) for x in jax.tree.leaves(params)} != {agents}:

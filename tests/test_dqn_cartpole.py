@@ -23,6 +23,7 @@ import gymnasium
 import gymnax
 import jax
 import jax.numpy as jnp
+import msgpack
 import numpy as np
 import pytest
 
@@ -1521,11 +1522,16 @@ def test_load_refuses_params_of_other_agents_than_the_summary_says(tmp_path, cap
     config = dataclasses.asdict(TINY) | {"output_dir": str(tmp_path)}
     (tmp_path / "summary.json").write_text(json.dumps({"config": config}))
     (tmp_path / "curves.csv").write_text("seed,step\n")
+    packed = msgpack.unpackb(flax.serialization.msgpack_serialize(params))
     for saved, problem in (
         (jax.tree.map(lambda x: x[1:], params), f"does not hold its {TINY.num_seeds} agents"),
         (jax.tree.map(lambda x: np.asarray(x, np.complex64), params), "not its own env's"),
+        # Keys of two types: JAX's "Comparator raised exception while sorting ..." was the line.
+        (msgpack.packb(packed | {1: 2}), "not its own env's"),
     ):
-        (tmp_path / "params.msgpack").write_bytes(flax.serialization.msgpack_serialize(saved))
+        if not isinstance(saved, bytes):
+            saved = flax.serialization.msgpack_serialize(saved)
+        (tmp_path / "params.msgpack").write_bytes(saved)
         with pytest.raises(SystemExit) as exit_info:
             dqn.main(["--load", str(tmp_path)])
         err = capsys.readouterr().err.strip().splitlines()
