@@ -1106,7 +1106,7 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int
             raise ValueError("its metrics are not its config's evaluations")
         solved = run.get("solved_return")  # None: the env's own (and in older checkpoints)
         if solved is not None and not (type(solved) in (int, float) and abs(solved) < 3.4e38):
-            raise ValueError(f"its solved return {solved!r} is not a finite float32")
+            raise ValueError(f"its solved return {solved!r} is not a number below 3.4e38 in size")
         every = run.get("checkpoint_every", 25_000)  # older checkpoints: the default
         if type(every) is not int or every < 0:
             raise ValueError(f"its checkpoint cadence {every!r} is not a whole number >= 0")
@@ -1693,7 +1693,7 @@ def parse_command(argv: list[str] | None):
         if getattr(args, name) == "":  # would read as not given
             raise ValueError(f"--{name} must name a run's folder")
     if args.solved_return is not None and not abs(args.solved_return) < 3.4e38:  # NaN too
-        raise ValueError("--solved-return must be a finite float32")
+        raise ValueError("--solved-return must be below 3.4e38 in size (a float32)")
     # --replot, --resume and --load take the saved run as it is: no other flag may change it.
     # --resume may say how often to save, and how the processes of a cluster meet; --load how
     # to evaluate, and the run's env and network again (they must agree).
