@@ -1368,6 +1368,8 @@ def join_cluster(args) -> None:
         raise ValueError(
             f"--cluster-timeout must be in [1, 2^31) seconds, got {args.cluster_timeout}"
         )
+    seconds = int(args.cluster_timeout)
+    timeouts = {"initialization_timeout": seconds, "heartbeat_timeout_seconds": seconds}
 
     def recover():
         """A process that dies is an error where the others next wait for it (the gather of the
@@ -1384,10 +1386,7 @@ def join_cluster(args) -> None:
         if tasks:
             recover()
             try:
-                jax.distributed.initialize(
-                    initialization_timeout=int(args.cluster_timeout),
-                    heartbeat_timeout_seconds=int(args.cluster_timeout),
-                )
+                jax.distributed.initialize(**timeouts)
             except ValueError as error:  # the job's other variables are missing
                 raise ValueError(
                     f"{tasks[0]}, but JAX finds no cluster to join ({error}); give "
@@ -1406,11 +1405,7 @@ def join_cluster(args) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes gather
     recover()
     jax.distributed.initialize(
-        args.coordinator_address,
-        args.num_processes,
-        args.process_id,
-        initialization_timeout=int(args.cluster_timeout),
-        heartbeat_timeout_seconds=int(args.cluster_timeout),
+        args.coordinator_address, args.num_processes, args.process_id, **timeouts
     )
 
 
@@ -1743,36 +1738,35 @@ def run_folder(template: str, overwrite: bool) -> str:
     file of another name). ValueError('--flag ...')."""
     if not template:  # "" would write into the current folder
         raise ValueError("--output-dir must name a folder, not be empty")
+    given = f"--output-dir {template}"
     if "{time}" in template:
         if ".." in Path(template).parts:  # {time}/.. names a folder that exists: never new
-            raise ValueError(f"--output-dir {template}: '..' and {{time}} together are refused")
+            raise ValueError(f"{given}: '..' and {{time}} together are refused")
         if overwrite:  # a flag that would do nothing
-            raise ValueError(
-                f"--overwrite: nothing to replace in --output-dir {template}, new each run"
-            )
+            raise ValueError(f"--overwrite: nothing to replace in {given}, new each run")
         return template
     try:
         held = sorted(Path(template).iterdir())
     except NotADirectoryError:
-        raise ValueError(f"--output-dir {template} is not a folder") from None
+        raise ValueError(f"{given} is not a folder") from None
     except OSError:  # no such folder yet (it is made later), or a name the OS refuses
         held = []
     ours = {path.name for path in run_paths(Path())}
     if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
         raise ValueError(
-            f"--output-dir {template} holds {foreign[0]}, which no run of this script "
+            f"{given} holds {foreign[0]}, which no run of this script "
             "writes: name a new or empty folder, or one that holds a run (--overwrite)"
         )
     if held and not overwrite:
         if CHECKPOINT in {path.name for path in held}:  # stopped: the user may want it back
-            raise ValueError(f"--output-dir {template} holds a stopped run: --resume "
-                             f"{template} goes on with it, --overwrite replaces it")  # fmt: skip
-        raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")
+            raise ValueError(f"{given} holds a stopped run: --resume {template} goes on with it, "
+                             "--overwrite replaces it")  # fmt: skip
+        raise ValueError(f"{given} already holds a run; --overwrite replaces it")
     # make_folder looks again once it holds the lock: a run may end there meanwhile.
     try:  # a current folder deleted, or a symbolic link to itself: resolve() raises
         FOUND_EMPTY[Path(template).resolve()] = not held and not overwrite
     except (OSError, RuntimeError) as error:
-        raise ValueError(f"--output-dir {template}: {error}") from None
+        raise ValueError(f"{given}: {error}") from None
     return template
 
 

@@ -832,11 +832,8 @@ def plot_run(output: Path) -> None:
             raise ValueError("its grid is not its config's gammas x learning rates x epsilons")
         shape = (len(points), config.num_seeds, -1)  # curves.csv's [grid, seeds, points]
     # Parsed by numpy (a dict per row took ~750 bytes); no rows: our line, not numpy's warning.
-    with (
-        reading(output / "curves.csv") as path,
-        open(path) as file,
-        warnings.catch_warnings(action="ignore"),
-    ):
+    path = output / "curves.csv"
+    with reading(path), open(path) as file, warnings.catch_warnings(action="ignore"):
         names = file.readline().strip().split(",")
         values = np.loadtxt(file, delimiter=",", ndmin=2)
         if not values.size:
@@ -1062,33 +1059,32 @@ def run_folder(template: str, overwrite: bool) -> str:
     file of another name). ValueError('--flag ...')."""
     if not template:  # "" would write into the current folder
         raise ValueError("--output-dir must name a folder, not be empty")
+    given = f"--output-dir {template}"
     if "{time}" in template:
         if ".." in Path(template).parts:  # {time}/.. names a folder that exists: never new
-            raise ValueError(f"--output-dir {template}: '..' and {{time}} together are refused")
+            raise ValueError(f"{given}: '..' and {{time}} together are refused")
         if overwrite:  # a flag that would do nothing
-            raise ValueError(
-                f"--overwrite: nothing to replace in --output-dir {template}, new each run"
-            )
+            raise ValueError(f"--overwrite: nothing to replace in {given}, new each run")
         return template
     try:
         held = sorted(Path(template).iterdir())
     except NotADirectoryError:
-        raise ValueError(f"--output-dir {template} is not a folder") from None
+        raise ValueError(f"{given} is not a folder") from None
     except OSError:  # no such folder yet (it is made later), or a name the OS refuses
         held = []
     ours = {*RUN_NAMES, *(f(Path(name)).name for name in RUN_NAMES for f in (temporary, set_aside))}
     if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
         raise ValueError(
-            f"--output-dir {template} holds {foreign[0]}, which no run of this script "
+            f"{given} holds {foreign[0]}, which no run of this script "
             "writes: name a new or empty folder, or one that holds a run (--overwrite)"
         )
     if held and not overwrite:
-        raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")
+        raise ValueError(f"{given} already holds a run; --overwrite replaces it")
     # make_folder looks again once it holds the lock: a run may end there meanwhile.
     try:  # a current folder deleted, or a symbolic link to itself: resolve() raises
         FOUND_EMPTY[Path(template).resolve()] = not held and not overwrite
     except (OSError, RuntimeError) as error:
-        raise ValueError(f"--output-dir {template}: {error}") from None
+        raise ValueError(f"{given}: {error}") from None
     return template
 
 
@@ -1258,6 +1254,8 @@ def join_cluster(coordinator_address, num_processes, process_id, cluster_timeout
     flags = (coordinator_address, num_processes, process_id)
     if not 1 <= cluster_timeout < 2**31:  # False for NaN; JAX takes int32 seconds
         fail(f"--cluster-timeout must be in [1, 2^31) seconds, got {cluster_timeout}")
+    seconds = int(cluster_timeout)
+    timeouts = {"initialization_timeout": seconds, "heartbeat_timeout_seconds": seconds}
 
     def recover():
         """A process that dies is an error where the others next wait for it (the gather of the
@@ -1274,10 +1272,7 @@ def join_cluster(coordinator_address, num_processes, process_id, cluster_timeout
         if tasks:
             recover()
             try:
-                jax.distributed.initialize(
-                    initialization_timeout=int(cluster_timeout),
-                    heartbeat_timeout_seconds=int(cluster_timeout),
-                )
+                jax.distributed.initialize(**timeouts)
             except ValueError as error:  # the job's other variables are missing
                 fail(
                     f"{tasks[0]}, but JAX finds no cluster to join ({error}); give "
@@ -1293,13 +1288,7 @@ def join_cluster(coordinator_address, num_processes, process_id, cluster_timeout
         check_coordinator(coordinator_address, process_id, num_processes, cluster_timeout)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes gather
         recover()
-        jax.distributed.initialize(
-            coordinator_address,
-            num_processes,
-            process_id,
-            initialization_timeout=int(cluster_timeout),
-            heartbeat_timeout_seconds=int(cluster_timeout),
-        )
+        jax.distributed.initialize(coordinator_address, num_processes, process_id, **timeouts)
     check_backend()
     if jax.process_index() > 0:  # process 0 reports and writes for the whole cluster
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115
@@ -1353,9 +1342,7 @@ def main(argv: list[str] | None = None) -> None:
         check_same_flags(config)
     if jax.process_index() == 0:  # process 0 writes for the cluster: the others' is not used
         try:
-            config = dataclasses.replace(
-                config, output_dir=run_folder(config.output_dir, overwrite)
-            )
+            run_folder(config.output_dir, overwrite)
         except ValueError as error:
             fail(str(error))
     schedule = make_schedule(config)
@@ -1402,19 +1389,13 @@ def main(argv: list[str] | None = None) -> None:
             "mean length (one that never reaches G counts as the cell count); V*: value iteration"
         )
         print(f"{'lr':>6} {'eps':>6} {'gamma':>6} {'optimal':>8} {'path':>7} {'|V(S)-V*(S)|':>13}")
-        texts = {
-            name: apart(row[name] for row in rows) for name in ("learning_rate", "epsilon", "gamma")
-        }
+        texts = {name: apart(row[name] for row in rows) for name in HParams._fields}
         for row in rows:
-            optimal, path = (
-                row["greedy_path_optimal_fraction"]["mean"],
-                row["greedy_path_length"]["mean"],
-            )
+            optimal = row["greedy_path_optimal_fraction"]["mean"]
+            path = row["greedy_path_length"]["mean"]
+            abs_error = row["start_value_abs_error"]["mean"]
             lr, epsilon, gamma = (texts[name][row[name]] for name in texts)
-            print(
-                f"{lr:>6} {epsilon:>6} {gamma:>6} "
-                f"{optimal:8.2f} {path:7.1f} {row['start_value_abs_error']['mean']:13.4f}"
-            )
+            print(f"{lr:>6} {epsilon:>6} {gamma:>6} {optimal:8.2f} {path:7.1f} {abs_error:13.4f}")
 
         summary = {
             "config": dataclasses.asdict(config),
@@ -1522,9 +1503,7 @@ def rank(argv: list[str]) -> int:
     ranks = [os.environ.get(name) for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK")]
     given = [flags.parse_known_args(argv)[0].process_id, *ranks]
     rank = next((r for r in given if r is not None), "0")
-    if not (rank.isascii() and rank.isdigit()):  # a bad --process-id: main says so, in one line
-        return 0
-    return int(rank)
+    return int(rank) if rank.isascii() and rank.isdigit() else 0  # a bad one: main says so
 
 
 def die_with_parent() -> None:
@@ -1553,11 +1532,7 @@ def watch(argv: list[str]) -> int:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # a SIGTERM that came as JAX loaded
     errors = child.communicate()[1]
     if child.returncode == -signal.SIGABRT:
-        print(
-            "parallel_q_learning.py: error: process 0 of the cluster stopped; so does this one",
-            file=sys.stderr,
-        )
-        return 1
+        fail("process 0 of the cluster stopped; so does this one", 1)
     sys.stderr.buffer.write(errors)
     return child.returncode if child.returncode >= 0 else 128 - child.returncode
 

@@ -888,33 +888,32 @@ def run_folder(template: str, overwrite: bool) -> str:
     file of another name). ValueError('--flag ...')."""
     if not template:  # "" would write into the current folder
         raise ValueError("--output-dir must name a folder, not be empty")
+    given = f"--output-dir {template}"
     if "{time}" in template:
         if ".." in Path(template).parts:  # {time}/.. names a folder that exists: never new
-            raise ValueError(f"--output-dir {template}: '..' and {{time}} together are refused")
+            raise ValueError(f"{given}: '..' and {{time}} together are refused")
         if overwrite:  # a flag that would do nothing
-            raise ValueError(
-                f"--overwrite: nothing to replace in --output-dir {template}, new each run"
-            )
+            raise ValueError(f"--overwrite: nothing to replace in {given}, new each run")
         return template
     try:
         held = sorted(Path(template).iterdir())
     except NotADirectoryError:
-        raise ValueError(f"--output-dir {template} is not a folder") from None
+        raise ValueError(f"{given} is not a folder") from None
     except OSError:  # no such folder yet (it is made later), or a name the OS refuses
         held = []
     ours = {*RUN_NAMES, *(f(Path(name)).name for name in RUN_NAMES for f in (temporary, set_aside))}
     if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
         raise ValueError(
-            f"--output-dir {template} holds {foreign[0]}, which no run of this script "
+            f"{given} holds {foreign[0]}, which no run of this script "
             "writes: name a new or empty folder, or one that holds a run (--overwrite)"
         )
     if held and not overwrite:
-        raise ValueError(f"--output-dir {template} already holds a run; --overwrite replaces it")
+        raise ValueError(f"{given} already holds a run; --overwrite replaces it")
     # make_folder looks again once it holds the lock: a run may end there meanwhile.
     try:  # a current folder deleted, or a symbolic link to itself: resolve() raises
         FOUND_EMPTY[Path(template).resolve()] = not held and not overwrite
     except (OSError, RuntimeError) as error:
-        raise ValueError(f"--output-dir {template}: {error}") from None
+        raise ValueError(f"{given}: {error}") from None
     return template
 
 
@@ -1059,9 +1058,8 @@ def main(argv: list[str] | None = None) -> None:
     devices = plural(min(config.num_seeds, jax.device_count()), f"{jax.default_backend()} device")
     print(f"{plural(config.num_seeds, 'seed')} x {config.total_timesteps:,} steps on {devices}")
     try:
-        out, timings = train_seeds(
-            make_train(config, env), config.seed, config.num_seeds, batch_size
-        )
+        train = make_train(config, env)
+        out, timings = train_seeds(train, config.seed, config.num_seeds, batch_size)
     except BaseException:  # stopped: leave no empty folder
         remove_if_empty(output_dir)
         raise
