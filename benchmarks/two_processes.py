@@ -13,8 +13,8 @@ printed, with their ratios. The 2-process runs use the script's --coordinator-ad
 --num-processes and --process-id on 127.0.0.1, as README's "More than one machine" shows.
 """
 
+import json
 import os
-import re
 import socket
 import statistics
 import subprocess
@@ -54,12 +54,10 @@ def run(script: str, args: list[str], processes: int, output: str) -> tuple[floa
     for child, (out, err) in zip(children, results, strict=True):
         if child.returncode:
             cli.failed(subprocess.CompletedProcess(child.args, child.returncode, out, err))
-    # dqn prints "225,979 agent-steps/s", parallel "119.8M agent-steps/s".
-    found = re.search(r"([\d,.]+)(M?) agent-steps/s", results[0][0].split("compile")[-1])
-    if found is None:
-        sys.exit(f"no agent-steps/s in the output of {' '.join(command)}")
-    rate = float(found.group(1).replace(",", "")) * (1e6 if found.group(2) else 1)
-    return rate, wall
+    # The run's own rate, unrounded (the parallel script prints "0.0M agent-steps/s" for a small
+    # one, which read as 0 and ended in a ZeroDivisionError).
+    summary = json.loads((Path(output) / "summary.json").read_text())
+    return summary["agent_steps_per_s"], wall
 
 
 def main() -> None:
