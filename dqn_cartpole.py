@@ -2181,12 +2181,17 @@ def send_again(unraisable) -> None:
 
 def rank(argv: list[str]) -> int:
     """This process's place in a cluster (0 alone): --process-id, or a SLURM / Open MPI rank."""
-    flags = argparse.ArgumentParser(add_help=False)
+    flags = argparse.ArgumentParser(add_help=False, exit_on_error=False)  # main's line, not its
     flags.add_argument("--process-id")
     ranks = [os.environ.get(name) for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK")]
-    given = [flags.parse_known_args(argv)[0].process_id, *ranks]
-    rank = next((r for r in given if r is not None), "0")
-    return int(rank) if rank.isascii() and rank.isdigit() else 0  # a bad one: main says so
+    try:
+        given = [flags.parse_known_args(argv)[0].process_id, *ranks]
+    except argparse.ArgumentError:  # --process-id without a value
+        given = ranks
+    try:  # read as main reads it ("+1", " 1" too): a process other than 0 is watched
+        return int(next((r for r in given if r is not None), "0"))
+    except ValueError:  # a bad one: main says so
+        return 0
 
 
 def die_with_parent() -> None:

@@ -650,3 +650,19 @@ def test_a_folder_name_the_terminal_cannot_show_is_printed_escaped(script):
     print(f"output {folder}/", file=stream)
     stream.flush()
     assert raw.getvalue() == b"output caf\\udce9/\n"
+
+
+def test_the_watched_rank_is_the_process_id_main_reads(script, monkeypatch):
+    """rank() decides whether this process is watched (other than 0); it read only ASCII digits,
+    so "+1" or " 1", which main reads as process 1, went unwatched: process 1 then aborted with
+    a C++ stack trace when process 0 ended. And --process-id without a value printed a usage line
+    of rank()'s own parser before main's line."""
+    if script is q_learning_gridworld:
+        pytest.skip("one process, no cluster: no watcher")
+    for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for value, rank in (("1", 1), ("+1", 1), (" 1", 1), ("\u0661", 1), ("0", 0), ("x", 0)):
+        assert script.rank(["--process-id", value]) == rank == (int(value) if rank else rank)
+    assert script.rank(["--num-seeds", "3", "--process-id"]) == 0  # main says it, in one line
+    monkeypatch.setenv("SLURM_PROCID", "+2")
+    assert script.rank([]) == 2
