@@ -1195,7 +1195,11 @@ def check_backend() -> None:
 def remove_if_empty(folder: Path) -> None:
     """A stopped run's folder and the parents made for it, removed if nothing was written; one
     that was there before the run stays."""
-    for path in MADE.get(folder.resolve(), []):
+    try:  # a loop of symbolic links never resolves: nothing was made for it
+        made = MADE.get(folder.resolve(), [])
+    except (OSError, RuntimeError):
+        return
+    for path in made:
         with contextlib.suppress(OSError):  # rmdir removes only an empty folder
             path.rmdir()
 

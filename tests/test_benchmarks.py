@@ -54,6 +54,19 @@ BAD = {  # benchmark and arguments: the flag its one line must name
 }
 
 
+def test_an_output_dir_through_a_loop_of_links_is_one_line(tmp_path):
+    """It was two chained tracebacks: removing the folder the refused run had made resolved the
+    path, and Path.resolve raises on a loop of symbolic links."""
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    argv = ["--max-agents", "4", "--agent-steps", "4000", "--numpy-steps", "200", "--repeats", "1"]
+    argv += ["--yardstick-timesteps", "100", "--output-dir", str(tmp_path / "a")]
+    command = [sys.executable, str(BENCHMARKS / "parallel_q_learning.py"), *argv]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "--output-dir" in lines[0], done.stderr
+
+
 def test_a_bad_count_is_one_line_naming_its_flag():
     """A count below 1 (or not a number) used to end in a traceback after the runs (a median
     of nothing), or in meaningless numbers; now one line, exit 2, before any run. They run side
