@@ -1502,7 +1502,7 @@ def send_again(unraisable) -> None:
 
 def rank(argv: list[str]) -> int:
     """This process's place in a cluster (0 alone): --process-id, or a SLURM / Open MPI rank."""
-    flags = argparse.ArgumentParser(add_help=False, exit_on_error=False)  # main's line, not its
+    flags = argparse.ArgumentParser(add_help=False, exit_on_error=False)  # main says what is wrong
     flags.add_argument("--process-id")
     ranks = [os.environ.get(name) for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK")]
     try:
