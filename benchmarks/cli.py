@@ -144,15 +144,30 @@ def held() -> Iterator[None]:
         signal.raise_signal(caught[0])
 
 
+# Starts a command so that Linux kills it when this process dies, by SIGKILL too (the OOM killer,
+# `timeout -s KILL`), which no handler sees: PR_SET_PDEATHSIG outlives exec. A preexec_fn would
+# fork this process, JAX's threads and all, and run Python in the copy.
+DIE_WITH_PARENT = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL\n"
+    "if os.getppid() != int(sys.argv[1]):  # the benchmark died before that\n"
+    "    sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])"
+)
+
+
 @contextlib.contextmanager
 def started(commands: list[list[str]], **kwargs) -> Iterator[list[subprocess.Popen]]:
     """subprocess.Popen(command, **kwargs) of each command, ended with the block: one still
-    running then (the benchmark stopped by a signal to it alone, or failed) is killed. A stop
-    while they start waits until each has started, so none is left running unseen."""
+    running then (the benchmark stopped by a signal to it alone, or failed) is killed, and on
+    Linux one ends with the benchmark however it ends. A stop while they start waits until each
+    has started, so none is left running unseen."""
     children = []
     try:
         with held():
             for command in commands:
+                if sys.platform == "linux":
+                    command = [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()), *command]
                 children.append(subprocess.Popen(command, **kwargs))
         yield children
     finally:

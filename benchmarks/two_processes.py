@@ -51,9 +51,9 @@ def run(script: str, args: list[str], processes: int, output: str) -> tuple[floa
     with cli.started(commands, stdout=pipe, stderr=pipe, text=True, env=env) as children:
         results = [child.communicate() for child in children]
     wall = time.perf_counter() - start
-    for child, (out, err) in zip(children, results, strict=True):
+    for command, child, (out, err) in zip(commands, children, results, strict=True):
         if child.returncode:
-            cli.failed(subprocess.CompletedProcess(child.args, child.returncode, out, err))
+            cli.failed(subprocess.CompletedProcess(command, child.returncode, out, err))
     # The run's own rate, unrounded (the parallel script prints "0.0M agent-steps/s" for a small
     # one, which read as 0 and ended in a ZeroDivisionError).
     summary = json.loads((Path(output) / "summary.json").read_text())

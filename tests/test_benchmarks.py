@@ -165,6 +165,26 @@ def test_a_stop_is_one_line(argv, when, signum, group):
     assert not [child for child in running if Path(f"/proc/{child}").exists()], running
 
 
+def test_a_benchmark_killed_takes_its_children_with_it():
+    """SIGKILL (the OOM killer, `timeout -s KILL`), which no handler sees: the yardstick or script
+    that the benchmark was running went on alone (a cluster's child wrote a whole run into a
+    temporary folder that nothing removed). Linux kills them now (PR_SET_PDEATHSIG)."""
+    command = [sys.executable, str(BENCHMARKS / GRIDWORLD[0]), *GRIDWORLD[1:]]
+    devnull = subprocess.DEVNULL
+    process = subprocess.Popen(command, stdout=devnull, stderr=devnull, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (running := children(process.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1)  # the child has run its own imports a while
+    process.kill()
+    process.wait()
+    deadline = time.monotonic() + 5  # left alone, the child ran on for 10 s or more
+    while any(Path(f"/proc/{child}").exists() for child in running):
+        assert time.monotonic() < deadline, running
+        time.sleep(0.05)
+    assert running
+
+
 def test_ctrl_c_stops_a_benchmark_that_runs_the_dqn_in_process():
     """dqn_sweep.py runs dqn_cartpole.main() in this process: a Ctrl-C ends the benchmark at
     once, one line, exit 130 (the DQN's own stop waited for the block to end, which is the whole
