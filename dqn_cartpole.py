@@ -723,9 +723,7 @@ def train_agents(config: Config, env, network, seed: int, grid: HParams, plan: S
         wanted = shapes._replace(key=jax.eval_shape(jax.random.key_data, shapes.key))
         wanted = [(x.shape[1:], x.dtype) for x in jax.tree.leaves(wanted)]
         if [(x.shape[1:], x.dtype) for x in leaves] != wanted:
-            print("dqn_cartpole.py: error: --resume: the checkpoint does not fit its own config",
-                  file=sys.stderr)  # fmt: skip
-            sys.exit(2)  # bad input, as every other
+            fail("--resume: the checkpoint does not fit its own config")  # bad input, as others
         sharding = NamedSharding(mesh, spec)
         leaves = [x[agent] for x in leaves]
         leaves = [jax.make_array_from_callback(x.shape, sharding, x.__getitem__) for x in leaves]
@@ -924,7 +922,7 @@ def atomic_open(path: Path, mode: str = "w", fatal: bool = True):
         if isinstance(error, OSError) and fatal:
             reason = error.strerror or error  # no file name: the temporary one
             remove_if_empty(path.parent)  # the run's folder, if this was to be its first file
-            sys.exit(f"dqn_cartpole.py: error: cannot write {path} ({reason})")
+            fail(f"cannot write {path} ({reason})", status=1)
         raise
 
 
@@ -1652,7 +1650,7 @@ def run_training(config, points, env, network, plan, environment, output, checkp
                 except OSError as error:
                     line = f"cannot write {output / CHECKPOINT} ({error.strerror or error})"
                     if stopping:
-                        sys.exit(f"dqn_cartpole.py: error: {line}")
+                        fail(line, status=1)
                     progress.say(f"dqn_cartpole.py: warning: {line}; training goes on")
                 timings["checkpoint_time_s"] += time.perf_counter() - clock
                 saved = steps
@@ -2011,8 +2009,7 @@ def main(argv: list[str] | None = None) -> None:
                 for name in RUN_NAMES:  # the run it replaced set aside: those files go now
                     set_aside(output / name).unlink(missing_ok=True)
     except (ValueError, MemoryError, OSError) as error:
-        print(f"dqn_cartpole.py: error: {error}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(error))
     print(f"output {output}/")
     solved = SOLVED_RETURNS.get(env_id) if args.solved_return is None else args.solved_return
     obs_size = jax.eval_shape(env.reset, jax.random.key(0))[0].size
@@ -2101,6 +2098,16 @@ def resume_hint(output: Path) -> str:
         python = os.path.join(".", python)
     command = [python, from_here(__file__), "--resume", from_here(str(output))]
     return f"to go on: {shlex.join(command)}"
+
+
+# A message's control characters (a newline in a folder's name) shown escaped: still one line.
+ESCAPED = {code: repr(chr(code))[1:-1] for code in (*range(32), 127)}
+
+
+def fail(message: str, status: int = 2):
+    """Exit with one line on stderr, status 2 (bad input) unless given."""
+    print(f"dqn_cartpole.py: error: {message.translate(ESCAPED)}", file=sys.stderr)
+    sys.exit(status)
 
 
 class BestEffortStream:

@@ -717,7 +717,7 @@ def atomic_open(path: Path, mode: str = "w"):
         if isinstance(error, OSError):
             reason = error.strerror or error  # no file name: the temporary one
             remove_if_empty(path.parent)  # the run's folder, if this was to be its first file
-            sys.exit(f"parallel_q_learning.py: error: cannot write {path} ({reason})")
+            fail(f"cannot write {path} ({reason})", status=1)
         raise
 
 
@@ -965,8 +965,12 @@ def plot_curves(summary: dict, curves: dict, num_cells: int):
 # ----- Command line --------------------------------------------------------------------------
 
 
+# A message's control characters (a newline in a folder's name) shown escaped: still one line.
+ESCAPED = {code: repr(chr(code))[1:-1] for code in (*range(32), 127)}
+
+
 def fail(message: str, status: int = 2):  # one line, no traceback
-    print(f"parallel_q_learning.py: error: {message}", file=sys.stderr)
+    print(f"parallel_q_learning.py: error: {message.translate(ESCAPED)}", file=sys.stderr)
     raise SystemExit(status)
 
 

@@ -603,7 +603,7 @@ def atomic_open(path: Path, mode: str = "w"):
         if isinstance(error, OSError):
             reason = error.strerror or error  # no file name: the temporary one
             remove_if_empty(path.parent)  # the run's folder, if this was to be its first file
-            sys.exit(f"q_learning_gridworld.py: error: cannot write {path} ({reason})")
+            fail(f"cannot write {path} ({reason})", status=1)
         raise
 
 
@@ -810,10 +810,14 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-def fail(message: str):
-    """Exit with one line on stderr, status 2 (argparse would add its usage)."""
-    print(f"q_learning_gridworld.py: error: {message}", file=sys.stderr)
-    sys.exit(2)
+# A message's control characters (a newline in a folder's name) shown escaped: still one line.
+ESCAPED = {code: repr(chr(code))[1:-1] for code in (*range(32), 127)}
+
+
+def fail(message: str, status: int = 2):
+    """Exit with one line on stderr, status 2 (argparse would add its usage) unless given."""
+    print(f"q_learning_gridworld.py: error: {message.translate(ESCAPED)}", file=sys.stderr)
+    sys.exit(status)
 
 
 # Larger is not a map anyone draws by hand, and parsing it in Python would take minutes.

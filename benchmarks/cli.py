@@ -185,10 +185,14 @@ def captured(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(command, child.returncode, out, err)
 
 
+# A message's control characters (a newline in a folder's name) shown escaped: still one line.
+ESCAPED = {code: repr(chr(code))[1:-1] for code in (*range(32), 127)}
+
+
 def fail(message: str, status: int = 2) -> None:
     """One line on stderr (none if it is closed: not on stdout), exit `status` (2: a bad flag)."""
     if sys.stderr is not None:  # None: started with 2>&- (print would write to stdout)
-        print(f"{NAME}: error: {message}", file=sys.stderr)
+        print(f"{NAME}: error: {message.translate(ESCAPED)}", file=sys.stderr)
     sys.exit(status)
 
 

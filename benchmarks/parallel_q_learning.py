@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     env = pq.make_env(pq.DEFAULT_LAYOUT)
     if args.max_agents < jax.device_count():  # the ratios compare runs of an agent a device
         cli.fail(f"--max-agents: at least one per device ({jax.device_count()})")
+    check_new_folder(args.output_dir)
     try:  # the largest N must fit in memory; the output folder must be writable; the one-agent
         largest = pq.Config(  # run's steps must fit the script's int32 counters
             num_seeds=args.max_agents,
@@ -238,6 +239,21 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException:  # stopped or failed: no empty folder left
         pq.remove_if_empty(Path(args.output_dir))
         raise
+
+
+def check_new_folder(template: str) -> None:
+    """A run writes into a new or empty folder, as the scripts do without --overwrite: one line
+    before any measurement for a folder that holds files, or for {time} with '..' (y/../{time}
+    leaves an empty y behind)."""
+    given = f"--output-dir {template}"
+    if "{time}" in template and ".." in Path(template).parts:
+        cli.fail(f"{given}: '..' and {{time}} together are refused")
+    try:
+        held = "{time}" not in template and any(Path(template).iterdir())
+    except OSError:  # not there yet, or not a folder that can be read: validate says which
+        held = False
+    if held:
+        cli.fail(f"{given} already holds files: name a new or empty folder")
 
 
 def single_agent_config(args: argparse.Namespace) -> pq.Config:

@@ -51,6 +51,9 @@ BAD = {  # benchmark and arguments: the flag its one line must name
     "--yardstick-timesteps 100 --yardstick-agents 4 --output-dir /proc": "--output-dir",
     "parallel_q_learning.py --agent-steps 100000000000000000": "--agent-steps",  # int32 steps
     "parallel_q_learning.py --max-agents 1": "--max-agents",  # below the session's 2 devices
+    # A folder that holds files (benchmark.json was replaced), and y/../{time} (y was left)
+    f"parallel_q_learning.py --output-dir {BENCHMARKS}": "--output-dir",
+    "parallel_q_learning.py --output-dir y/../{time}": "--output-dir",
 }
 
 

@@ -1766,7 +1766,7 @@ def test_a_checkpoint_on_the_way_that_cannot_be_written_does_not_end_the_run(
     monkeypatch.setattr(dqn.Progress, "__init__", stop_at_once)
     with pytest.raises(SystemExit) as exit_info:
         dqn.main([*TINY_ARGS, "--output-dir", str(folder), "--overwrite"])
-    assert str(exit_info.value.code) == (
+    assert exit_info.value.code == 1 and capsys.readouterr().err.splitlines()[-1] == (
         f"dqn_cartpole.py: error: cannot write {folder / dqn.CHECKPOINT} (No space left on device)"
     )
     assert (

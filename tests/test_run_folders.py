@@ -174,7 +174,7 @@ def test_overwrite_that_fails_to_set_the_previous_run_aside_puts_it_back(
     assert {path.name: path.read_text() for path in tmp_path.iterdir()} == previous
 
 
-def test_a_write_that_fails_is_one_line_and_leaves_no_temporary_file(script, tmp_path):
+def test_a_write_that_fails_is_one_line_and_leaves_no_temporary_file(script, tmp_path, capsys):
     """A full disk (here a file size limit: the write fails with EFBIG, as with ENOSPC; Python
     ignores SIGXFSZ) or a folder in the way of the rename: the script ends with one line naming
     the file, exit 1, and no temporary file is left."""
@@ -187,9 +187,10 @@ def test_a_write_that_fails_is_one_line_and_leaves_no_temporary_file(script, tmp
                 f.write("x" * 10_000)
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        message = str(exit_info.value.code)
-        assert message.startswith(f"{script.__name__}.py: error: cannot write {tmp_path / name}")
-        assert "\n" not in message and sorted(p.name for p in tmp_path.iterdir()) == ["in_the_way"]
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 1 and len(err) == 1, err
+        assert err[0].startswith(f"{script.__name__}.py: error: cannot write {tmp_path / name}")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["in_the_way"]
     run = script.make_folder(str(tmp_path / "run"))  # its first file fails: no empty folder left
     resource.setrlimit(resource.RLIMIT_FSIZE, (1_000, hard))
     try:
@@ -611,6 +612,17 @@ def test_an_output_dir_in_a_symlink_loop_is_one_line(script, tmp_path, capsys):
             script.main(["--output-dir", str(tmp_path / output)])
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_info.value.code == 2 and len(err) == 1 and "--output-dir" in err[0], err
+
+
+def test_control_characters_in_a_folder_name_are_escaped_in_the_one_line(script, tmp_path, capsys):
+    """A newline in --output-dir made the refusal two lines, and an ESC reached the terminal."""
+    folder = tmp_path / "a\nb\x1b[31m"
+    folder.mkdir()
+    (folder / "notes.txt").touch()
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--output-dir", str(folder)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "a\\nb\\x1b[31m" in err[0], err
 
 
 @pytest.mark.parametrize("ignored", [signal.SIGHUP, signal.SIGINT], ids=["SIGHUP", "SIGINT"])
