@@ -1651,7 +1651,8 @@ def run_training(config, points, env, network, plan, environment, output, checkp
                     line = f"cannot write {output / CHECKPOINT} ({error.strerror or error})"
                     if stopping:
                         fail(line, status=1)
-                    progress.say(f"dqn_cartpole.py: warning: {line}; training goes on")
+                    warning = f"dqn_cartpole.py: warning: {line}; training goes on"
+                    progress.say(warning.translate(ESCAPED))  # one line, as fail's
                 timings["checkpoint_time_s"] += time.perf_counter() - clock
                 saved = steps
             if stopping:

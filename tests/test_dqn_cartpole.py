@@ -1714,8 +1714,10 @@ def test_a_checkpoint_on_the_way_that_cannot_be_written_does_not_end_the_run(
     lost, though its final files are far smaller (no replay buffers, target networks or
     optimizer states). Now one line says so and training goes on: the run ends written whole,
     replacing the previous run (--overwrite), which stayed as it was until then; no temporary
-    file is left. One for a stop still ends the run, with one line."""
-    folder = tmp_path / "run"
+    file is left. One for a stop still ends the run, with one line (a newline in the folder's
+    name shown escaped, in both)."""
+    folder = tmp_path / "run\n1"
+    shown = str(folder / dqn.CHECKPOINT).replace("\n", "\\n")
     folder.mkdir()
     previous = {name: f"previous {name}" for name in dqn.RUN_FILES}
     for name, text in previous.items():
@@ -1743,8 +1745,8 @@ def test_a_checkpoint_on_the_way_that_cannot_be_written_does_not_end_the_run(
     captured = capsys.readouterr()
     warnings = [line for line in captured.err.splitlines() if "dqn_cartpole.py: warning:" in line]
     assert warnings == [
-        f"dqn_cartpole.py: warning: cannot write {folder / dqn.CHECKPOINT} (No space left on "
-        "device); training goes on"
+        f"dqn_cartpole.py: warning: cannot write {shown} (No space left on device); "
+        "training goes on"
     ], captured.err
     aside = {dqn.set_aside(folder / name).name: text.encode() for name, text in previous.items()}
     being_written = dqn.temporary(folder / dqn.CHECKPOINT).name
@@ -1767,7 +1769,7 @@ def test_a_checkpoint_on_the_way_that_cannot_be_written_does_not_end_the_run(
     with pytest.raises(SystemExit) as exit_info:
         dqn.main([*TINY_ARGS, "--output-dir", str(folder), "--overwrite"])
     assert exit_info.value.code == 1 and capsys.readouterr().err.splitlines()[-1] == (
-        f"dqn_cartpole.py: error: cannot write {folder / dqn.CHECKPOINT} (No space left on device)"
+        f"dqn_cartpole.py: error: cannot write {shown} (No space left on device)"
     )
     assert (
         len(tried) == 2 and {path.name: path.read_bytes() for path in folder.iterdir()} == written
