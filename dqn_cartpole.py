@@ -428,8 +428,8 @@ def make_blocks(config: Config, env, network: QNetwork):
 
 def make_train(config: Config, env=None, network=None):
     """Returns train(key, hparams=None) -> {"params", "metrics"}: one seed's whole experiment
-    (the Config's hyperparameters if hparams is None): init, then the blocks of eval_every steps,
-    each ending in a greedy evaluation. The command line runs the same parts a block at a time."""
+    (the Config's hyperparameters if hparams is None; float32, even under JAX_ENABLE_X64): init,
+    then blocks of eval_every steps, each ending in a greedy evaluation (the CLI: one a call)."""
     if env is None and config.env != "cartpole":  # make_env(config.env) in the appendix builds it
         raise ValueError(f"make_train: pass the env for env={config.env!r}")
     env = CartPole() if env is None else env
@@ -438,7 +438,7 @@ def make_train(config: Config, env=None, network=None):
     init, run_blocks = make_blocks(config, env, network)
 
     def train(key: jax.Array, hparams: HParams | None = None) -> dict:
-        hp = config.hparams() if hparams is None else hparams
+        hp = jax.tree.map(jnp.float32, config.hparams() if hparams is None else hparams)
         carry, metrics = init(key, hp)
         for first, count, steps in config.blocks:
             carry, more = run_blocks(carry, hp, first + jnp.arange(count), steps)

@@ -606,13 +606,19 @@ def test_train_under_jax_enable_x64_writes_the_buffer_without_a_cast_warning():
     """Under JAX_ENABLE_X64 our CartPole's observations are float64 and the sampled actions
     int64, and writing them into the buffer's float32/int32 arrays warned twice ("In future JAX
     releases this will result in an error"): buffer_add casts them. A fresh process, since x64
-    is set as JAX starts; that warning is an error there."""
+    is set as JAX starts; that warning is an error there. The docstring's sweep, whose
+    hyperparameters are float64 there, failed in lax.cond (a float64 loss, a float32 zero)."""
     code = (
         "import dataclasses, jax, dqn_cartpole as dqn\n"
         "config = dataclasses.replace(dqn.Config(), total_timesteps=400, eval_every=200,"
         " learning_starts=100, eval_episodes=1)\n"
         "out = jax.jit(dqn.make_train(config))(jax.random.key(0))\n"
         "assert out['metrics']['eval_return'].shape == (3,)\n"
+        "hparams = jax.tree.map(lambda v: jax.numpy.full(2, v), config.hparams())\n"
+        "hparams = hparams._replace(gamma=jax.numpy.linspace(0.99, 0.999, 2))  # float64\n"
+        "keys = jax.random.split(jax.random.key(0), 2)\n"
+        "out = jax.jit(jax.vmap(dqn.make_train(config)))(keys, hparams)\n"
+        "assert out['metrics']['loss'].dtype == 'float32', out['metrics']['loss'].dtype\n"
     )
     env = os.environ | {"JAX_ENABLE_X64": "1", "PYTHONPATH": str(Path(dqn.__file__).parent)}
     run = subprocess.run(
