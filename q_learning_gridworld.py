@@ -572,7 +572,7 @@ def expected_episode_length(env: GridWorld, epsilon: float, gamma: float) -> flo
     q = value_iteration(env, gamma)
     if not q[env.map.start].max():
         return None
-    best = np.isclose(q, q.max(axis=1, keepdims=True))
+    best = np.isclose(q, q.max(axis=1, keepdims=True), rtol=1e-9, atol=0)  # Q* may be ~1e-10
     policy = epsilon / NUM_ACTIONS + (1 - epsilon) * best / best.sum(axis=1, keepdims=True)
     # steps = 1 + E[steps of the next cell], 0 at G: one linear system over the cells S reaches
     # (an iteration stopped short: 3463 for 3662 on the maze at epsilon 1), solved exactly.
