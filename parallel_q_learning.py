@@ -655,6 +655,15 @@ def mean_ci(values: np.ndarray) -> dict:
     return {"mean": float(mean), "ci95": [float(mean - half), float(mean + half)]}
 
 
+def share_ci(hits: np.ndarray) -> dict:
+    """Share of the seeds (True) and its 95% Wilson score interval (Wilson 1927): unlike the
+    mean's normal interval it stays inside [0, 1] and is not zero-wide at 0% or 100%."""
+    n, p, shrink = len(hits), float(np.mean(hits)), 1 + Z_95**2 / len(hits)
+    center = (p + Z_95**2 / (2 * n)) / shrink
+    half = Z_95 * math.sqrt(p * (1 - p) / n + Z_95**2 / (4 * n**2)) / shrink
+    return {"mean": p, "ci95": [max(0.0, center - half), min(1.0, center + half)]}
+
+
 XLA_FLAGS = os.environ.get("XLA_FLAGS")  # as this script, imported, set them for JAX
 
 
@@ -670,11 +679,13 @@ def versions() -> dict:
     return {"python": platform.python_version()} | {p: metadata.version(p) for p in packages}
 
 
-def summarize_grid(config: Config, env: GridWorld, result: TrainResult) -> list[dict]:
+def summarize_grid(config: Config, env: GridWorld, schedule: Schedule, result: TrainResult):
     """Per grid point: final greedy path vs shortest, V(S) vs value iteration, episodes, and
-    the share of curve points with an optimal greedy path (how fast, not only where to)."""
+    the share of training steps whose curve point has an optimal greedy path (how fast, not
+    only where to; a shorter last point weighs less)."""
     exact = {gamma: float(value_iteration(env, gamma)[env.start].max()) for gamma in config.gammas}
     shortest = env.shortest_path  # steps from S to G
+    weights = np.diff(curve_steps(config, schedule), prepend=0)  # steps each point stands for
     rows = []
     for g, point in enumerate(grid_points(config)):
         paths = np.asarray(result.curve.greedy_path_length[g])  # [seeds, points]
@@ -684,8 +695,8 @@ def summarize_grid(config: Config, env: GridWorld, result: TrainResult) -> list[
                 **point._asdict(),
                 "shortest_path": shortest,
                 "greedy_path_length": mean_ci(paths[:, -1]),
-                "greedy_path_optimal_fraction": mean_ci(paths[:, -1] == shortest),
-                "optimal_time_share": mean_ci(np.mean(paths == shortest, axis=1)),
+                "greedy_path_optimal_fraction": share_ci(paths[:, -1] == shortest),
+                "optimal_time_share": mean_ci(np.average(paths == shortest, 1, weights)),
                 "value_iteration_start_value": exact[point.gamma],
                 "start_value_abs_error": mean_ci(np.abs(start_value - exact[point.gamma])),
                 "episodes_completed": mean_ci(np.asarray(result.curve.episodes[g]).sum(axis=1)),
@@ -759,6 +770,12 @@ def catchable() -> list[int]:
     return [signum for signum in SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
+def curve_steps(config: Config, schedule: Schedule) -> np.ndarray:
+    """The step at which each curve point is measured; the last point may be shorter."""
+    point_steps = schedule.blocks_per_point * schedule.block_steps
+    return np.minimum(np.arange(1, schedule.num_points + 1) * point_steps, config.total_timesteps)
+
+
 def save_run(
     output: Path, summary: dict, config: Config, schedule: Schedule, result: TrainResult
 ) -> None:
@@ -768,10 +785,8 @@ def save_run(
         json.dump(summary, file, indent=2, allow_nan=False)  # strict JSON: no NaN in it
     grid = np.array(grid_points(config))  # [grid, learning_rate epsilon gamma]
     seeds = np.arange(config.num_seeds)[:, None]
-    point_steps = schedule.blocks_per_point * schedule.block_steps
-    steps = np.minimum(np.arange(1, schedule.num_points + 1) * point_steps, config.total_timesteps)
     columns = {name: grid[:, None, None, i] for i, name in enumerate(HParams._fields)}
-    columns |= {"seed": seeds, "step": steps}
+    columns |= {"seed": seeds, "step": curve_steps(config, schedule)}
     columns |= result.curve._asdict()  # [grid, seeds, points] each
     # [grid * seeds, points] each, written an agent at a time: Python floats for all of them at
     # once took ~40x numpy's memory.
@@ -1386,7 +1401,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     # From the end of training, a signal waits until the run is written: no trained run is lost.
     with written_whole():
-        rows = summarize_grid(config, env, result)
+        rows = summarize_grid(config, env, schedule, result)
         rate = num_agents * config.total_timesteps / timings["train_time_s"]
         print(
             f"compile {timings['compile_time_s']:.1f} s, train {timings['train_time_s']:.2f} s: "

@@ -296,14 +296,40 @@ def test_numpy_reference_loop_learns_the_same_values():
 def test_summary_checks_each_grid_point_against_value_iteration(small):
     env = pq.make_env(SMALL.layout)
     result = jax.tree.map(np.asarray, small["sweep"](small["keys"], small["grid"]))
-    rows = pq.summarize_grid(SMALL, env, result)
+    rows = pq.summarize_grid(SMALL, env, pq.make_schedule(SMALL), result)
     assert len(rows) == 4
     for row in rows:
         assert row["shortest_path"] == 18
         assert row["value_iteration_start_value"] == pytest.approx(row["gamma"] ** 17, rel=1e-5)
         lo, hi = row["greedy_path_length"]["ci95"]
         assert lo <= row["greedy_path_length"]["mean"] <= hi
-        assert 0 <= row["greedy_path_optimal_fraction"]["mean"] <= 1
+        lo, hi = row["greedy_path_optimal_fraction"]["ci95"]
+        assert 0 <= lo <= row["greedy_path_optimal_fraction"]["mean"] <= hi <= 1
+
+
+def test_the_summarys_shares_are_of_seeds_with_a_wilson_interval_and_of_training_steps():
+    """The share of seeds on a shortest path had the mean's normal interval: [1.0, 1.0] for 256
+    of 256, a claim of certainty, and bounds beyond 1 (62 of 64: [0.926, 1.012]). The share of
+    training on a shortest path weighed a shorter last curve point as a whole one (3,001 steps in
+    points of 1,000: the last point's 1 step counted as a quarter of training)."""
+    assert pq.share_ci(np.ones(256, bool))["ci95"] == pytest.approx([0.98522, 1.0], abs=1e-5)
+    low, high = pq.share_ci(np.arange(64) < 62)["ci95"]
+    assert (low, high) == pytest.approx([0.8930, 0.9914], abs=1e-4)
+    config = dataclasses.replace(SMALL, total_timesteps=3_001, num_curve_points=4)
+    config = dataclasses.replace(config, rng_block_steps=1_000)
+    schedule = pq.make_schedule(config)
+    np.testing.assert_array_equal(pq.curve_steps(config, schedule), [1_000, 2_000, 3_000, 3_001])
+    env = pq.make_env(config.layout)
+    grid, seeds = 4, config.num_seeds
+    paths = np.full((grid, seeds, 4), env.shortest_path)
+    paths[..., -1] = env.num_cells  # off the path for the last step only
+    zeros = np.zeros((grid, seeds, 4), np.float32)
+    curve = pq.Curve(episodes=zeros, greedy_path_length=paths, start_value=zeros)
+    result = pq.TrainResult(q_table=None, curve=curve)
+    for row in pq.summarize_grid(config, env, schedule, result):
+        assert row["optimal_time_share"]["mean"] == pytest.approx(3_000 / 3_001)
+        assert row["greedy_path_optimal_fraction"]["mean"] == 0.0
+        assert row["greedy_path_optimal_fraction"]["ci95"][1] > 0  # not zero-wide at 0%
 
 
 # --- environment and agent pieces ----------------------------------------------------------------
