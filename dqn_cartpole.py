@@ -1498,9 +1498,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_run(folder: str) -> tuple[Config, Any, list | None]:
-    """Saved config, params and grid points (None: one configuration) of a run folder; any
-    problem is a one-line ValueError."""
+def load_run(folder: str) -> tuple[Config, Any, list | None, float | None]:
+    """Saved config, params, grid points (None: one configuration) and solved return (None:
+    none) of a run folder; any problem is a one-line ValueError."""
     given = f"--load {folder}"
     if not Path(folder).is_dir():
         raise ValueError(f"{given}: {'not a' if Path(folder).exists() else 'no such'} folder")
@@ -1512,11 +1512,15 @@ def load_run(folder: str) -> tuple[Config, Any, list | None]:
             config = saved_config(summary["config"])  # another script's run: named as such
             grid = [{name: float(p["hparams"][name]) for name in HParams._fields} for p in
                     summary["grid"]] if "grid" in summary else None  # fmt: skip
+            solved = summary["environment"]["solved_return"]  # None: the env has none
+            solved = None if solved is None else float(solved)
+            if solved is not None and not abs(solved) < 3.4e38:  # NaN too
+                raise ValueError(f"its solved_return {solved} is not below 3.4e38 in size")
         with reading(Path(folder) / "params.msgpack") as path:
             params = flax.serialization.msgpack_restore(path.read_bytes())
     except ValueError as error:  # reading's, which names the file
         raise ValueError(f"{given}: cannot read its {error}") from None
-    return config, params, grid
+    return config, params, grid, solved
 
 
 def check_params(params, network: QNetwork, env, folder: str, agents: int) -> None:
@@ -1536,13 +1540,14 @@ def check_params(params, network: QNetwork, env, folder: str, agents: int) -> No
 
 
 def load_evaluation(config: Config, env, network: QNetwork, params):
-    """--load's evaluation, compiled: fresh greedy episodes of every agent at once, agent i
-    playing split(key(seed))[i] -> a function that runs it, to the mean returns [agents].
+    """--load's evaluation, compiled: fresh greedy episodes of every agent at once, seed i of
+    each grid point playing split(key(seed))[i] -> a function that runs it, to the mean returns.
     MemoryError naming --eval-episodes, before it runs, when the memory XLA counts for it is
     over half a device's free memory (it was an out-of-memory traceback)."""
     play = partial(greedy_episodes, env=env, network=network, num_episodes=config.eval_episodes)
-    agents = jax.tree.leaves(params)[0].shape[0]
-    keys = jax.random.split(jax.random.key(config.seed), agents)
+    agents = jax.tree.leaves(params)[0].shape[0]  # seed i of every grid point plays key i:
+    keys = jax.random.split(jax.random.key(config.seed), config.num_seeds)  # common numbers
+    keys = keys[np.arange(agents) % config.num_seeds]
     evaluate = jax.jit(jax.vmap(lambda k, p: play(k, p).mean())).lower(keys, params).compile()
     used = evaluate.memory_analysis()
     need = used.temp_size_in_bytes + used.argument_size_in_bytes + used.output_size_in_bytes
@@ -1716,8 +1721,10 @@ def parse_command(argv: list[str] | None):
         args.checkpoint_every = every if args.checkpoint_every is None else args.checkpoint_every
         return args, config, points, None, start
     if args.load:  # load_summary.json records the run's config, with how this command
-        saved, params, points = load_run(args.load)  # evaluated it: seed, episodes, folder
+        saved, params, points, solved = load_run(args.load)  # evaluated it: seed, episodes, folder
         check_same_run(saved, given, args.load)
+        if args.solved_return is None:  # the run's own threshold, as --resume takes it
+            args.solved_return = solved
         fresh = {"seed": Config().seed, "eval_episodes": Config().eval_episodes}  # unless given
         fresh |= {name: given[name] for name in evaluating if name in given}
         config = dataclasses.replace(saved, **fresh)

@@ -642,7 +642,8 @@ def test_train_under_jax_enable_x64_writes_the_buffer_without_a_cast_warning():
 @pytest.mark.cpu_devices
 def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_out, capsys):
     """3 seeds on 2 devices (padded to two batches of 16 per device, the padding dropped) give what
-    jit(vmap) gave; progress is reported after each block; then --load re-evaluates."""
+    jit(vmap) gave; progress is reported after each block; then --load re-evaluates, by the
+    run's own --solved-return (it took the env's 475)."""
     reports = []
     record = dqn.Progress.__call__
     monkeypatch.setattr(
@@ -651,7 +652,7 @@ def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_
         lambda self, steps, seconds: (reports.append(steps), record(self, steps, seconds)),
     )
     out_dir = tmp_path / "run"
-    dqn.main([*TINY_ARGS, "--output-dir", str(out_dir)])
+    dqn.main([*TINY_ARGS, "--solved-return", "20", "--output-dir", str(out_dir)])
     summary = json.loads((out_dir / "summary.json").read_text())
     for key in (
         "config",
@@ -688,6 +689,9 @@ def test_cli_end_to_end_sharded_padded_then_load(tmp_path, monkeypatch, vmapped_
     )  # no --output-dir: the results of --load go into the run it loads
     loaded = json.loads((out_dir / "load_summary.json").read_text())
     assert len(loaded["final_eval_return"]) == 3 and loaded["config"]["env"] == "gymnax"
+    assert loaded["environment"]["solved_return"] == summary["environment"]["solved_return"] == 20
+    hits = sum(r >= 20 for r in loaded["final_eval_return"])
+    assert loaded["solved_fraction"] == hits / 3
     assert (out_dir / "render.gif").read_bytes()[:3] == b"GIF"
     # The loaded run, named another way as --output-dir: its folder, as if left out (it asked
     # for --overwrite, which then did nothing). With --overwrite, refused as without the flag.
@@ -910,6 +914,20 @@ def test_sweep_labels_tell_every_grid_point_apart():
         "learning_rate 0.0025, gamma 0.999999",
         "learning_rate 0.0025, gamma 0.9999991",
     ]
+
+
+def test_load_scores_every_grid_point_on_the_same_episodes():
+    """Under --load, seed i of every grid point plays the same fresh episodes, as in training
+    (common random numbers): agent a played key a, so that two grid points with the same params
+    scored apart (found by a review)."""
+    config = dataclasses.replace(TINY, num_seeds=2, eval_episodes=2)
+    env = dqn.CartPole()
+    network = dqn.QNetwork(config.hidden_sizes, env.num_actions, config.layer_norm)
+    keys = jax.random.split(jax.random.key(1), 2)
+    params = jax.vmap(network.init, in_axes=(0, None))(keys, jnp.zeros(4))
+    twice = jax.tree.map(lambda x: jnp.concatenate([x, x]), params)  # 2 points x 2 seeds
+    returns = dqn.load_evaluation(config, env, network, twice)()
+    np.testing.assert_array_equal(returns[:2], returns[2:])
 
 
 def test_cli_sweep_on_acrobot_then_load_takes_env_and_network_from_the_run(
