@@ -1512,7 +1512,7 @@ def load_run(folder: str) -> tuple[Config, Any, list | None, float | None]:
             config = saved_config(summary["config"])  # another script's run: named as such
             grid = [{name: float(p["hparams"][name]) for name in HParams._fields} for p in
                     summary["grid"]] if "grid" in summary else None  # fmt: skip
-            solved = summary["environment"]["solved_return"]  # None: the env has none
+            solved = summary.get("environment", {}).get("solved_return")  # None: the env's
             solved = None if solved is None else float(solved)
             if solved is not None and not abs(solved) < 3.4e38:  # NaN too
                 raise ValueError(f"its solved_return {solved} is not below 3.4e38 in size")
