@@ -1,7 +1,7 @@
 """Side-by-side speed: dqn_cartpole.py against the article-style yardstick, in the same run.
 
     .venv/bin/python benchmarks/dqn_cartpole.py                 # 64 agents, 5000 steps, 3 rounds
-    .venv/bin/python benchmarks/dqn_cartpole.py --timesteps 500 --num-agents 4 --repeats 1
+    .venv/bin/python benchmarks/dqn_cartpole.py --timesteps 500 --num-agents 64 --repeats 1
 
 The yardstick is benchmarks/article_dqn.py, the approach of Ryan Pegoud's article "A Gentle
 Introduction to Deep Reinforcement Learning in JAX" (2023) written for this repository. Ours
@@ -45,6 +45,12 @@ def article_run(timesteps: int, num_agents: int):
         plan = dqn.check_memory(*dqn.memory_need(config, env, network), num_agents)
     except (ValueError, MemoryError) as error:
         cli.fail(f"--num-agents {num_agents}, --timesteps {timesteps}: the DQN's {error}")
+    if plan.padded_seeds != num_agents:  # it would train more agents than it is credited with
+        cli.fail(
+            f"--num-agents {num_agents}: ours trains whole batches, {plan.padded_seeds} agents "
+            f"on {plan.num_devices} device(s), and the yardstick {num_agents}: give "
+            f"{plan.padded_seeds}, or another count that needs no padding"
+        )
     return dqn, config, env, network, plan
 
 

@@ -40,6 +40,8 @@ BAD = {  # benchmark and arguments: the flag its one line must name
     "dqn_segments.py --seeds 2 --timesteps 1 --repeats 1": "--timesteps",
     "dqn_segments.py --seeds 10000000 --timesteps 600 --repeats 1": "--seeds",  # it ran
     "dqn_cartpole.py --ours --num-agents 10000000 --timesteps 600": "--num-agents",
+    # Ours pads to whole batches (64 on the session's 2 devices): it trained 64, credited 4
+    "dqn_cartpole.py --num-agents 4 --timesteps 500 --repeats 1": "give 64",
     "dqn_cartpole.py --num-agents 10000000 --timesteps 600 --repeats 1": "--num-agents",
     "dqn_time_split.py --agents 2 --steps 3000000000": "--steps",
     # A flag that the other given one ignores (both ran, as if it were not there)

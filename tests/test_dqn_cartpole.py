@@ -1267,7 +1267,7 @@ def test_cli_flags_come_from_the_config_fields():
 BENCHMARKS = {  # name: (script, a tiny size, what it prints last)
     "article": (
         "dqn_cartpole.py",
-        "--timesteps 500 --num-agents 4 --repeats 1 --one-core",
+        "--timesteps 500 --num-agents 64 --repeats 1 --one-core",
         "on one core each:",
     ),
     "sweep": ("dqn_sweep.py", "--seeds 1 --timesteps 200 --repeats 1", "sweep / single:"),
