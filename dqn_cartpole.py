@@ -466,7 +466,7 @@ import sys
 import time
 import zipfile
 import zlib
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import flax
 import numpy as np
@@ -626,7 +626,7 @@ def check_memory(terms: dict[str, int], held: dict[str, int], num_agents: int) -
             f"free per device (half of it usable); lower {largest}"
         )
     plan, per_agent = plan_seeds(num_agents, need), sum(held.values())
-    host, trained = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), plan.padded_seeds
+    host, trained = host_free(), plan.padded_seeds
     if per_agent * num_agents > host // 2:
         raise MemoryError(
             f"--num-seeds: the training state of {num_agents} agents needs "
@@ -644,11 +644,47 @@ def check_memory(terms: dict[str, int], held: dict[str, int], num_agents: int) -
 
 
 def bytes_available(device) -> int:
-    """Free memory of one device; CPU devices share the host RAM."""
+    """Free memory of one device; CPU devices share the host's (host_free)."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") // jax.local_device_count()
+    return host_free() // jax.local_device_count()
+
+
+def host_free() -> int:
+    """Free RAM, or less where a cgroup limits this process's memory: a container's, or a Slurm
+    job's --mem (past it the kernel kills the run, with no line and no checkpoint)."""
+    return min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), cgroup_free())
+
+
+CGROUP_FILES = {  # v2, v1: limit, usage, and the page cache in memory.stat the kernel can drop
+    "": ("memory.max", "memory.current", "inactive_file"),
+    "memory": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+}
+
+
+def cgroup_free(proc=Path("/proc/self/cgroup"), root=Path("/sys/fs/cgroup")) -> float:
+    """Bytes left under the tightest memory limit of the cgroups holding this process and their
+    parents (cgroup v2 or v1), less the page cache the kernel can drop, as `docker stats` counts;
+    inf where none limits it (a limit of "max", no such files, not Linux)."""
+    free = math.inf
+    for folder, (limit, usage, cache) in cgroup_folders(proc, root):
+        with contextlib.suppress(OSError, ValueError):  # no such file; "max"
+            stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
+            used = int((folder / usage).read_text()) - int(stat.get(cache, 0))
+            free = min(free, max(int((folder / limit).read_text()) - used, 0))
+    return free
+
+
+def cgroup_folders(proc: Path, root: Path):
+    """Yields (folder, its file names) for each memory cgroup holding this process, then each of
+    its parents up to the root, in which a limit may be set instead."""
+    with contextlib.suppress(OSError):  # not Linux
+        for line in proc.read_text().splitlines():  # "id:controllers:/path", v2's controllers ""
+            _, controllers, path = line.split(":", 2)
+            for name in set(controllers.split(",")) & CGROUP_FILES.keys():
+                for folder in (PurePosixPath(path), *PurePosixPath(path).parents):
+                    yield root / name / str(folder).lstrip("/"), CGROUP_FILES[name]
 
 
 def plan_seeds(num_agents: int, need: int, platform=None) -> SeedPlan:

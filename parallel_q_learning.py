@@ -416,7 +416,7 @@ import time
 import warnings
 import zlib
 from importlib import metadata
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
@@ -555,7 +555,7 @@ def validate(config: Config, schedule: Schedule) -> tuple[GridWorld, Path]:
     if jax.default_backend() != "cpu" and all("bytes_limit" in s for s in stats):
         limit = sum(s["bytes_limit"] for s in stats) / 2
     else:
-        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2
+        limit = host_memory() / 2
     if 4 * per_agent > limit:  # one agent alone: name the flag of its largest part
         largest = max(per_agent_terms, key=per_agent_terms.get)
         raise ConfigError(largest, f"one agent needs about {4 * per_agent / 1e9:.1f} GB, more "
@@ -572,6 +572,30 @@ def validate(config: Config, schedule: Schedule) -> tuple[GridWorld, Path]:
     except OSError as error:
         raise ConfigError("output_dir", f"cannot create {config.output_dir!r}: {error}") from None
     return env, Path(config.output_dir)
+
+
+def host_memory() -> int:
+    """Bytes of RAM, or the memory limit of a cgroup holding this process where lower: a
+    container's, or a Slurm job's --mem (past it the kernel kills the run, with no line)."""
+    return min(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), cgroup_limit())
+
+
+CGROUP_LIMITS = {"": "memory.max", "memory": "memory.limit_in_bytes"}  # cgroup v2, v1
+
+
+def cgroup_limit(proc=Path("/proc/self/cgroup"), root=Path("/sys/fs/cgroup")) -> float:
+    """The tightest memory limit, in bytes, of the cgroups holding this process and of their
+    parents (cgroup v2 or v1); inf where none is set ("max", no such files, not Linux)."""
+    limit = math.inf
+    with contextlib.suppress(OSError):  # not Linux
+        for line in proc.read_text().splitlines():  # "id:controllers:/path", v2's controllers ""
+            _, controllers, path = line.split(":", 2)
+            for name in set(controllers.split(",")) & CGROUP_LIMITS.keys():
+                for folder in (PurePosixPath(path), *PurePosixPath(path).parents):
+                    file = root / name / str(folder).lstrip("/") / CGROUP_LIMITS[name]
+                    with contextlib.suppress(OSError, ValueError):  # no such file; "max"
+                        limit = min(limit, int(file.read_text()))
+    return limit
 
 
 def plural(count: int, noun: str) -> str:

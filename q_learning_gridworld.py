@@ -355,12 +355,13 @@ import csv
 import fcntl
 import itertools
 import json
+import math
 import platform
 import sys
 import time
 import warnings
 from importlib import metadata
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 # The built-in maps for --layout. "maze" (shortest path 22 steps) and "four_rooms" (20) have
 # walls and were not used to choose the hyperparameters.
@@ -445,8 +446,28 @@ def train_seeds(train, seed: int, num_seeds: int, batch_size: int | None = None)
     return jax.tree.map(lambda x: np.asarray(x)[:num_seeds], out), timings
 
 
-def host_memory() -> int:  # bytes of RAM (tests pretend other sizes)
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+def host_memory() -> int:
+    """Bytes of RAM, or the memory limit of a cgroup holding this process where lower: a
+    container's, or a Slurm job's --mem (past it the kernel kills the run, with no line)."""
+    return min(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), cgroup_limit())
+
+
+CGROUP_LIMITS = {"": "memory.max", "memory": "memory.limit_in_bytes"}  # cgroup v2, v1
+
+
+def cgroup_limit(proc=Path("/proc/self/cgroup"), root=Path("/sys/fs/cgroup")) -> float:
+    """The tightest memory limit, in bytes, of the cgroups holding this process and of their
+    parents (cgroup v2 or v1); inf where none is set ("max", no such files, not Linux)."""
+    limit = math.inf
+    with contextlib.suppress(OSError):  # not Linux
+        for line in proc.read_text().splitlines():  # "id:controllers:/path", v2's controllers ""
+            _, controllers, path = line.split(":", 2)
+            for name in set(controllers.split(",")) & CGROUP_LIMITS.keys():
+                for folder in (PurePosixPath(path), *PurePosixPath(path).parents):
+                    file = root / name / str(folder).lstrip("/") / CGROUP_LIMITS[name]
+                    with contextlib.suppress(OSError, ValueError):  # no such file; "max"
+                        limit = min(limit, int(file.read_text()))
+    return limit
 
 
 def device_memory() -> int:  # GPU memory where reported, else RAM (tests pretend other sizes)

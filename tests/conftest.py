@@ -58,3 +58,33 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("cpu_devices"):
                 item.add_marker(skip)
+
+
+GIB = 2**30
+
+
+@pytest.fixture
+def fake_cgroups(tmp_path) -> tuple[Path, Path]:
+    """A Slurm job's memory cgroups as /proc/self/cgroup and /sys/fs/cgroup show them, v1 and v2
+    side by side -> (that file, that folder). v1: the job limited to 8 GiB, 3 GiB in use of which
+    1 GiB is page cache the kernel can drop, its step unlimited; v2: the job 6 GiB, 2 GiB in use,
+    its step "max". So the tightest limit is 6 GiB and the least left 4 GiB. A limit file under
+    the cpu controller is not a memory limit."""
+    proc = tmp_path / "cgroup"
+    proc.write_text(
+        "5:cpu,cpuacct:/slurm/job_1\n4:memory:/slurm/job_1/step_0\n0::/slurm/job_1/step_0\n"
+    )
+    v1 = {"memory.usage_in_bytes": 3 * GIB, "memory.stat": f"cache 5\ntotal_inactive_file {GIB}"}
+    v2 = {"memory.current": 2 * GIB, "memory.stat": "anon 5\ninactive_file 0"}
+    folders = {
+        "memory/slurm/job_1": {**v1, "memory.limit_in_bytes": 8 * GIB},
+        "memory/slurm/job_1/step_0": {**v1, "memory.limit_in_bytes": 9223372036854771712},
+        "slurm/job_1": {**v2, "memory.max": 6 * GIB},
+        "slurm/job_1/step_0": {**v2, "memory.max": "max"},
+        "cpu,cpuacct/slurm/job_1": {**v1, "memory.limit_in_bytes": 1},
+    }
+    for folder, files in folders.items():
+        (tmp_path / folder).mkdir(parents=True)
+        for name, text in files.items():
+            (tmp_path / folder / name).write_text(f"{text}\n")
+    return proc, tmp_path

@@ -7,6 +7,7 @@ import csv
 import dataclasses
 import fcntl
 import json
+import math
 import os
 import re
 import shlex
@@ -486,6 +487,25 @@ def test_memory_check_counts_the_padding_agents_of_whole_batches():
     fat = {name: size * host // (per_agent * padded) for name, size in held.items()}
     with pytest.raises(MemoryError, match=r"--buffer-size: the training state of 64 agents \(1"):
         dqn.check_memory(terms, fat, 1)
+
+
+def test_free_memory_is_what_the_tightest_cgroup_leaves(
+    fake_cgroups, tmp_path, capsys, monkeypatch
+):
+    """In a container or a Slurm job (--mem) the cgroup's limit, not the machine's RAM, is what a
+    run may use: in a cgroup of 2 GiB, 600 seeds with 100,000-transition buffers passed the
+    check against this machine's RAM, and the kernel killed the run (exit 137, an empty folder
+    left). Now one line naming --num-seeds, and no folder."""
+    assert dqn.cgroup_free(*fake_cgroups) == 4 * 2**30  # v2's job: 6 GiB less 2 in use
+    assert dqn.cgroup_free(tmp_path / "no such file", tmp_path) == math.inf  # not Linux
+    monkeypatch.setattr(dqn, "cgroup_free", lambda: 2 * 2**30)
+    argv = "--total-timesteps 2000 --eval-every 1000 --num-seeds 600 --buffer-size 100000"
+    with pytest.raises(SystemExit) as exit_info:
+        dqn.main([*argv.split(), "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1, err
+    assert "--num-seeds: the training state of 600 agents" in err[0], err
+    assert "more than half the 2.0 GiB free here" in err[0] and not (tmp_path / "run").exists()
 
 
 def test_memory_estimate_takes_sizes_from_the_network():

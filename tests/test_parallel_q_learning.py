@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import re
 import signal
@@ -408,6 +409,21 @@ def test_memory_refusal_names_the_flag(monkeypatch):
     config = pq.Config(rng_block_steps=2**30, total_timesteps=2**30)
     with pytest.raises(pq.ConfigError, match="--rng-block-steps: one agent needs about 8.6 GB"):
         pq.validate(config, pq.make_schedule(config))
+
+
+def test_the_memory_is_the_tightest_cgroups_limit(fake_cgroups, tmp_path, monkeypatch):
+    """In a container or a Slurm job (--mem) the cgroup's limit, not the machine's RAM, is the
+    memory: in a cgroup of 1 GiB, 20,000 seeds passed the check against this machine's RAM,
+    trained, and the kernel killed the run as it drew its figures (exit 137, half of it
+    written). Now refused before it trains, naming --num-seeds."""
+    assert pq.cgroup_limit(*fake_cgroups) == 6 * 2**30  # v2's job, below v1's 8 GiB
+    assert pq.cgroup_limit(tmp_path / "no such file", tmp_path) == math.inf  # not Linux
+    monkeypatch.setattr(pq.jax, "default_backend", lambda: "cpu")
+    monkeypatch.setattr(pq, "cgroup_limit", lambda: 2**30)
+    config = pq.Config(num_seeds=20_000, output_dir=str(tmp_path / "run"))
+    with pytest.raises(pq.ConfigError, match=r"--num-seeds: .* more than 0.5 GB \(half the memory"):
+        pq.validate(config, pq.make_schedule(config))
+    assert not (tmp_path / "run").exists()
 
 
 # Port 9 (discard) on this machine: nobody listens there.

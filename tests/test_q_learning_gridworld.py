@@ -5,6 +5,7 @@ script (its own map parsing and moves), so a bug shared by both cannot hide.
 """
 
 import json
+import math
 import os
 import re
 import shutil
@@ -605,6 +606,23 @@ def test_too_many_blocks_to_index_are_refused_naming_the_fewest_steps(capsys, mo
     assert err[0].endswith("use --steps-per-block 3 or more"), err  # 24 x 100,000 / 1,000,000
     config = qlg.Config(total_timesteps=100_000, steps_per_block=3)
     qlg.check_memory(config, qlg.GridWorld(config.layout, config.max_episode_steps))  # accepted
+
+
+def test_the_memory_is_the_tightest_cgroups_limit(fake_cgroups, tmp_path, capsys, monkeypatch):
+    """In a container or a Slurm job (--mem) the cgroup's limit, not the machine's RAM, is the
+    memory: in a cgroup of 1 GiB, 1,000 seeds passed the check against this machine's RAM and
+    the kernel killed the run (exit 137, an empty folder left). Now one line naming
+    --num-seeds."""
+    assert qlg.cgroup_limit(*fake_cgroups) == 6 * 2**30  # v2's job, below v1's 8 GiB
+    assert qlg.cgroup_limit(tmp_path / "no such file", tmp_path) == math.inf  # not Linux
+    monkeypatch.setattr(qlg.jax, "default_backend", lambda: "cpu")
+    monkeypatch.setattr(qlg, "cgroup_limit", lambda: 2**30)
+    config = qlg.Config(num_seeds=1_000)
+    with pytest.raises(SystemExit):
+        qlg.check_memory(config, qlg.GridWorld(config.layout, config.max_episode_steps))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--num-seeds 1000 needs about 2.5 GB" in err[0], err
+    assert "(0.5 GB)" in err[0], err
 
 
 def test_a_block_longer_than_the_run_needs_the_runs_memory_only(tmp_path, monkeypatch):
