@@ -5,12 +5,13 @@ Also the article's DQN settings, at which two benchmarks run ours (ARTICLE_DQN).
 
 import argparse
 import contextlib
+import math
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 # dqn_cartpole.py's Config at the yardstick's settings (benchmarks/dqn_cartpole.py says which):
@@ -208,9 +209,28 @@ def check_fits(compiled, flags: str) -> None:
     in half of this machine's memory: too many agents, refused before they are allocated."""
     stats = compiled.memory_analysis()
     need = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-    half = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    half = min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), cgroup_limit()) / 2
     if need > half:
         fail(f"{flags}: about {need / 2**30:,.1f} GiB, more than half the memory")
+
+
+CGROUP_LIMITS = {"": "memory.max", "memory": "memory.limit_in_bytes"}  # cgroup v2, v1
+
+
+def cgroup_limit(proc=Path("/proc/self/cgroup"), root=Path("/sys/fs/cgroup")) -> float:
+    """The tightest memory limit, in bytes, of the cgroups holding this process and of their
+    parents (a container's, a Slurm job's --mem; cgroup v2 or v1), as in the scripts; inf where
+    none is set ("max", no such files, not Linux)."""
+    limit = math.inf
+    with contextlib.suppress(OSError):  # not Linux
+        for line in proc.read_text().splitlines():  # "id:controllers:/path", v2's controllers ""
+            _, controllers, path = line.split(":", 2)
+            for name in set(controllers.split(",")) & CGROUP_LIMITS.keys():
+                for folder in (PurePosixPath(path), *PurePosixPath(path).parents):
+                    file = root / name / str(folder).lstrip("/") / CGROUP_LIMITS[name]
+                    with contextlib.suppress(OSError, ValueError):  # no such file; "max"
+                        limit = min(limit, int(file.read_text()))
+    return limit
 
 
 def check_backend() -> None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -285,3 +286,24 @@ def test_a_closed_stdout_does_not_stop_a_benchmark():
     run = subprocess.run(argv, stdout=write, stderr=subprocess.PIPE, text=True, env=env)
     os.close(write)
     assert run.returncode == 0 and not run.stderr, (run.returncode, run.stderr)
+
+
+def test_the_yardsticks_memory_is_the_tightest_cgroups_limit(fake_cgroups, monkeypatch, capsys):
+    """A yardstick refuses agents whose compiled call needs more than half the memory: in a
+    container or a Slurm job (--mem), half the cgroup's limit, not of the machine's RAM."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import cli
+
+    assert cli.cgroup_limit(*fake_cgroups) == 6 * 2**30  # v2's job, below v1's 8 GiB
+    sizes = {"argument_size_in_bytes": 2**29, "output_size_in_bytes": 1, "temp_size_in_bytes": 0}
+
+    class Compiled:  # what jax's compiled call reports: half a GiB and a byte
+        def memory_analysis(self):
+            return SimpleNamespace(**sizes)
+
+    cli.check_fits(Compiled(), "--num-agents")  # this machine's RAM: it fits
+    monkeypatch.setattr(cli, "cgroup_limit", lambda: 2**30)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.check_fits(Compiled(), "--num-agents")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "--num-agents: about 0.5 GiB" in err[0]
