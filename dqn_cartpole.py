@@ -1708,6 +1708,7 @@ def run_training(config, points, env, network, plan, environment, output, checkp
         "seeds_padded_to": plan.padded_seeds,
         "seeds_per_batch_per_device": plan.seeds_per_batch,
         "agent_steps_per_s": speed,
+        "timed_from_step": first,  # 0, or where --resume went on: the timings are this session's
     }
     out = {"params": gather(carry.agent.params), "metrics": metrics}
     return jax.tree.map(lambda x: x[:num_agents], out), timings, signum if stopping else None

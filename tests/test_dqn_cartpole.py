@@ -1488,9 +1488,11 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
         (stopped / name).write_text("{}")
     dqn.main(["--resume", str(stopped)])
     assert not any((stopped / name).exists() for name in ("load_summary.json", "render.gif"))
-    summary = json.loads((stopped / "summary.json").read_text())  # the run's own threshold
-    assert summary["environment"]["solved_return"] == 100 and "(>= 100)" in capsys.readouterr().out
+    resumed = json.loads((stopped / "summary.json").read_text())  # the run's own threshold
+    assert resumed["environment"]["solved_return"] == 100 and "(>= 100)" in capsys.readouterr().out
+    assert resumed["timed_from_step"] == summary["steps_done"]  # its timings are this session's
     dqn.main([*RESUME_ARGS, "--output-dir", str(whole)])
+    assert json.loads((whole / "summary.json").read_text())["timed_from_step"] == 0
     for name in ("params.msgpack", "curves.csv"):
         assert (stopped / name).read_bytes() == (whole / name).read_bytes(), name
     assert not (stopped / dqn.CHECKPOINT).exists()
