@@ -679,7 +679,7 @@ def cgroup_free(proc=Path("/proc/self/cgroup"), root=Path("/sys/fs/cgroup")) -> 
 def cgroup_folders(proc: Path, root: Path):
     """Yields (folder, its file names) for each memory cgroup holding this process, then each of
     its parents up to the root, in which a limit may be set instead."""
-    with contextlib.suppress(OSError):  # not Linux
+    with contextlib.suppress(OSError, ValueError):  # not Linux, or not as documented
         for line in proc.read_text().splitlines():  # "id:controllers:/path", v2's controllers ""
             _, controllers, path = line.split(":", 2)
             for name in set(controllers.split(",")) & CGROUP_FILES.keys():

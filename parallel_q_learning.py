@@ -587,7 +587,7 @@ def cgroup_limit(proc=Path("/proc/self/cgroup"), root=Path("/sys/fs/cgroup")) ->
     """The tightest memory limit, in bytes, of the cgroups holding this process and of their
     parents (cgroup v2 or v1); inf where none is set ("max", no such files, not Linux)."""
     limit = math.inf
-    with contextlib.suppress(OSError):  # not Linux
+    with contextlib.suppress(OSError, ValueError):  # not Linux, or not as documented
         for line in proc.read_text().splitlines():  # "id:controllers:/path", v2's controllers ""
             _, controllers, path = line.split(":", 2)
             for name in set(controllers.split(",")) & CGROUP_LIMITS.keys():

@@ -69,11 +69,10 @@ def fake_cgroups(tmp_path) -> tuple[Path, Path]:
     side by side -> (that file, that folder). v1: the job limited to 8 GiB, 3 GiB in use of which
     1 GiB is page cache the kernel can drop, its step unlimited; v2: the job 6 GiB, 2 GiB in use,
     its step "max". So the tightest limit is 6 GiB and the least left 4 GiB. A limit file under
-    the cpu controller is not a memory limit."""
+    the cpu controller is not a memory limit, and a last line not as documented is no error."""
     proc = tmp_path / "cgroup"
-    proc.write_text(
-        "5:cpu,cpuacct:/slurm/job_1\n4:memory:/slurm/job_1/step_0\n0::/slurm/job_1/step_0\n"
-    )
+    lines = ["5:cpu,cpuacct:/slurm/job_1", "4:memory:/slurm/job_1/step_0", "0::/slurm/job_1/step_0"]
+    proc.write_text("\n".join([*lines, "a line not as documented"]))
     v1 = {"memory.usage_in_bytes": 3 * GIB, "memory.stat": f"cache 5\ntotal_inactive_file {GIB}"}
     v2 = {"memory.current": 2 * GIB, "memory.stat": "anon 5\ninactive_file 0"}
     folders = {
