@@ -925,30 +925,47 @@ def ticks(values: list[float], most: int) -> tuple[range, list[str]]:
     return range(0, len(values), step), [texts[value] for value in values[::step]]
 
 
+MOST_PANELS = 8  # gammas drawn side by side, in each figure
+
+
+def shown_gammas(count: int) -> list[int]:
+    """The indices of the gammas a figure draws: all, or MOST_PANELS spread evenly over them,
+    the first and last among them (a panel each made 400 gammas 1,400 inches wide, ten
+    minutes of drawing while a Ctrl-C waited for the files)."""
+    return sorted({round(i) for i in np.linspace(0, count - 1, min(count, MOST_PANELS))})
+
+
+def of_all(shown: list[int], gammas: list[float]) -> str:
+    """What a figure's title adds when it leaves gammas out."""
+    return "" if len(shown) == len(gammas) else f"; {len(shown)} of the {len(gammas)} gammas"
+
+
 def plot_heatmap(summary: dict):
     """Quality over learning rate x epsilon: one column of panels per gamma, one row per measure;
     each colour scale spans the values present, each cell gives its mean and 95% CI."""
     import matplotlib.pyplot as plt
 
     lrs, epsilons, gammas = (summary["config"][k] for k in ("learning_rates", "epsilons", "gammas"))
-    titles = apart(gammas)
+    titles, shown = apart(gammas), shown_gammas(len(gammas))
     annotated = len(epsilons) <= 6 and len(lrs) <= 10  # more cells: their texts would overlap
-    fig, axes = plt.subplots(len(HEATMAP_MEASURES), len(gammas), squeeze=False)
+    fig, axes = plt.subplots(len(HEATMAP_MEASURES), len(shown), squeeze=False)
     fig.set_layout_engine("constrained")
-    fig.set_size_inches(2.5 + 3.6 * len(gammas), 7.2)
+    fig.set_size_inches(2.5 + 3.6 * len(shown), 7.2)
     one_seed = summary["config"]["num_seeds"] == 1  # no CI: a cell shows the seed's value
     cells = "cells: the seed's value" if one_seed else "cells: mean [95% CI]"
     fig.suptitle(
         f"{plural(summary['config']['num_seeds'], 'seed')} per cell, "
         f"{summary['steps_per_agent']:,} steps per agent; "
         + (cells if annotated else "colour: the mean over seeds")
+        + of_all(shown, gammas)
     )
     for m, (measure, label) in enumerate(HEATMAP_MEASURES.items()):
         stats = [row[measure] for row in summary["grid"]]  # grid order: gamma slowest
         means = np.reshape([s["mean"] for s in stats], (len(gammas), len(lrs), len(epsilons)))
         cis = np.reshape([s["ci95"] or [np.nan] * 2 for s in stats], (*means.shape, 2))
         low, high = means.min(), max(means.max(), means.min() + 0.01)  # one value: no 0-wide scale
-        for ax, gamma, panel, ci in zip(axes[m], gammas, means, cis, strict=True):
+        for ax, g in zip(axes[m], shown, strict=True):
+            gamma, panel, ci = gammas[g], means[g], cis[g]
             image = ax.imshow(panel, vmin=low, vmax=high, cmap="viridis", origin="lower")
             if annotated:
                 for (i, j), value in np.ndenumerate(panel):
@@ -978,19 +995,24 @@ def plot_curves(summary: dict, curves: dict, num_cells: int):
     texts = {name: apart(config[f"{name}s"]) for name in ("learning_rate", "epsilon", "gamma")}
     per_panel = len(summary["grid"]) // len(gammas)  # lines
     crowded = per_panel >= 9  # the legend goes below; beyond 30 lines it names none of them
-    size = (2 + 4.5 * len(gammas), 5.5 if crowded else 4)
-    fig, axes = plt.subplots(1, len(gammas), figsize=size, squeeze=False, layout="constrained")
+    shown = shown_gammas(len(gammas))
+    size = (2 + 4.5 * len(shown), 5.5 if crowded else 4)
+    fig, axes = plt.subplots(1, len(shown), figsize=size, squeeze=False, layout="constrained")
     fig.suptitle(
         f"greedy path length from S: mean, 95% CI band over {plural(num_seeds, 'seed')}\n"
         f"(a path that never reaches G is drawn at the cell count, {num_cells})"
+        + of_all(shown, gammas)
     )
+    panels = {gammas[g]: ax for g, ax in zip(shown, axes[0], strict=True)}
     for g, row in enumerate(summary["grid"]):
-        ax = axes[0][gammas.index(row["gamma"])]
+        if row["gamma"] not in panels:
+            continue
+        ax = panels[row["gamma"]]
         lr, epsilon = texts["learning_rate"][row["learning_rate"]], texts["epsilon"][row["epsilon"]]
         label = f"lr {lr}, epsilon {epsilon}" if per_panel <= 30 else None
         ax.plot(steps, mean[g], label=label)
         ax.fill_between(steps, mean[g] - half[g], mean[g] + half[g], alpha=0.2)
-    for ax, gamma in zip(axes[0], gammas, strict=True):
+    for gamma, ax in panels.items():
         shortest = summary["grid"][0]["shortest_path"]
         ax.axhline(shortest, color="k", ls="--", lw=1, label=f"shortest path ({shortest})")
         title = f"gamma = {texts['gamma'][gamma]}"

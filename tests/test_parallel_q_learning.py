@@ -585,6 +585,24 @@ def test_a_large_grid_draws_readable_figures(tmp_path, monkeypatch):
     ]
 
 
+def test_many_gammas_draw_a_few_panels_spread_over_them(tmp_path, monkeypatch):
+    """A panel per gamma made 400 gammas a figure 1,400 inches wide, drawn in ten minutes while a
+    Ctrl-C waited for the files: at most MOST_PANELS (here 3) are drawn, the first, the last
+    and one between, and each title says how many of the gammas it shows."""
+    gammas = [f"0.{i}" for i in range(1, 10)]
+    argv = ["--gammas", ",".join(gammas), "--num-seeds", "2", "--total-timesteps", "300"]
+    pq.main([*argv, "--output-dir", str(tmp_path)])
+    monkeypatch.setattr(pq, "MOST_PANELS", 3)
+    figures, save = [], pq.save_figure
+    monkeypatch.setattr(pq, "save_figure", lambda fig, path: (save(fig, path), figures.append(fig)))
+    pq.plot_run(tmp_path)
+    for figure in figures:
+        titles = [ax.get_title() for ax in figure.axes if ax.get_title()]
+        assert titles[:3] == ["gamma = 0.1", "gamma = 0.5", "gamma = 0.9"], titles
+        assert figure.get_suptitle().endswith("; 3 of the 9 gammas"), figure.get_suptitle()
+    assert len(figures[1].axes) == 3  # the curves: a panel per gamma shown, its lines alone
+
+
 def test_swept_values_are_shown_with_the_digits_that_tell_them_apart():
     """Two gammas that differ in float32 are two grid points; with `:g` the table, the panel
     titles, the legend and the ticks showed 0.999999 for both."""
