@@ -949,8 +949,9 @@ def atomic_open(path: Path, mode: str = "w", fatal: bool = True):
     """Write to a temporary name beside path, then rename: no reader sees half a file. A write
     that fails (a full disk, say) ends the script with one line, or raises its OSError if not
     `fatal`."""
-    try:
-        with open(temporary(path), mode) as file:
+    try:  # a new file: one at that name could be a link, and writing through it writes elsewhere
+        temporary(path).unlink(missing_ok=True)
+        with open(temporary(path), mode.replace("w", "x")) as file:
             yield file
         os.replace(temporary(path), path)
     except BaseException as error:  # an error, Ctrl-C: no temporary file left behind

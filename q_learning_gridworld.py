@@ -615,8 +615,9 @@ def expected_episode_length(env: GridWorld, epsilon: float, gamma: float) -> flo
 def atomic_open(path: Path, mode: str = "w"):
     """Write to a temporary name beside path, then rename: no reader sees half a file. A write
     that fails (a full disk, say) ends the script with one line."""
-    try:
-        with open(temporary(path), mode) as file:
+    try:  # a new file: one at that name could be a link, and writing through it writes elsewhere
+        temporary(path).unlink(missing_ok=True)
+        with open(temporary(path), mode.replace("w", "x")) as file:
             yield file
         os.replace(temporary(path), path)
     except BaseException as error:  # an error, Ctrl-C: no temporary file left behind

@@ -678,3 +678,17 @@ def test_the_watched_rank_is_the_process_id_main_reads(script, monkeypatch):
     assert script.rank(["--num-seeds", "3", "--process-id"]) == 0  # main says it, in one line
     monkeypatch.setenv("SLURM_PROCID", "+2")
     assert script.rank([]) == 2
+
+
+def test_a_link_at_the_temporary_name_is_replaced_not_written_through(script, tmp_path):
+    """A symbolic link left at the name a file is first written to (.summary.tmp.json): the write
+    went through it, and --replot's figures replaced a file outside the run's folder (found by
+    an adversarial pass). Now a new file takes the link's place."""
+    elsewhere, run = tmp_path / "elsewhere.txt", tmp_path / "run"
+    elsewhere.write_text("kept")
+    run.mkdir()
+    script.temporary(run / "summary.json").symlink_to(elsewhere)
+    with script.atomic_open(run / "summary.json") as file:
+        file.write("{}")
+    assert elsewhere.read_text() == "kept" and (run / "summary.json").read_text() == "{}"
+    assert not (run / "summary.json").is_symlink() and sorted(os.listdir(run)) == ["summary.json"]
