@@ -885,9 +885,12 @@ def plot_run(output: Path) -> None:
         curves = {name: values[:, i].reshape(shape) for i, name in enumerate(names)}
         grid = np.array(points)  # [grid, learning_rate epsilon gamma], as save_run writes it
         rows = {name: grid[:, None, None, i] for i, name in enumerate(HParams._fields)}
-        rows |= {"seed": np.arange(config.num_seeds)[:, None], "step": curves["step"][0, 0]}
-        if any((curves[name] != value).any() for name, value in rows.items()):
-            raise ValueError("its rows are not the summary's grid x seeds, each at the same steps")
+        steps = curve_steps(config, make_schedule(config))  # the config's, as save_run wrote
+        rows |= {"seed": np.arange(config.num_seeds)[:, None], "step": steps}
+        if curves["step"].shape[-1] != len(steps) or any(
+            (curves[name] != value).any() for name, value in rows.items()
+        ):
+            raise ValueError("its rows are not the summary's grid x seeds, each at its steps")
         if not np.isfinite(curves["greedy_path_length"]).all():  # the figure's log scale
             raise ValueError("its greedy_path_length holds a value that is not finite")
     env = make_env(config.layout)

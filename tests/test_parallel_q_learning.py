@@ -691,6 +691,8 @@ def test_cli_happy_path(tmp_path):
     not_its = "summary.json: its grid is not its config's gammas x learning rates x epsilons"
     column = rows[0].split(",").index("greedy_path_length")  # inf: matplotlib's error, no file
     inf = ",".join("inf" if i == column else v for i, v in enumerate(rows[1].split(",")))
+    step = rows[0].split(",").index("step")  # every step 0: matplotlib's two-line warning
+    zero = [",".join("0" if i == step else v for i, v in enumerate(r.split(","))) for r in rows[1:]]
     for name, edit, why in (
         ("summary.json", {"config": {**config, "num_seeds": 1}}, "curves.csv: its rows are not"),
         ("summary.json", {"config": {**config, "learning_rates": [0.5, 0.1]}}, not_its),
@@ -698,6 +700,7 @@ def test_cli_happy_path(tmp_path):
         ("summary.json", {"config": {**config, "num_seeds": 2.5}}, "summary.json: num_seeds 2.5"),
         ("curves.csv", [rows[0], *(row + ",7" for row in rows[1:])], "curves.csv: its header "),
         ("curves.csv", [rows[0], inf, *rows[2:]], "curves.csv: its greedy_path_length holds"),
+        ("curves.csv", [rows[0], *zero], "curves.csv: its rows are not"),
     ):  # fmt: skip
         damaged = json.dumps({**summary, **edit}) if name == "summary.json" else "\n".join(edit)
         (output / name).write_text(damaged)
