@@ -246,6 +246,8 @@ def check_new_folder(template: str) -> None:
     before any measurement for a folder that holds files, or for {time} with '..' (y/../{time}
     leaves an empty y behind)."""
     given = f"--output-dir {template}"
+    if not template:  # Path("") is this folder: it read "already holds files"
+        cli.fail("--output-dir must not be empty")
     if "{time}" in template and ".." in Path(template).parts:
         cli.fail(f"{given}: '..' and {{time}} together are refused")
     try:

@@ -57,6 +57,7 @@ BAD = {  # benchmark and arguments: the flag its one line must name
     # A folder that holds files (benchmark.json was replaced), and y/../{time} (y was left)
     f"parallel_q_learning.py --output-dir {BENCHMARKS}": "--output-dir",
     "parallel_q_learning.py --output-dir y/../{time}": "--output-dir",
+    "parallel_q_learning.py --output-dir=": "--output-dir must not be empty",  # "holds files"
 }
 
 
