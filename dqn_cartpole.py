@@ -1682,18 +1682,17 @@ def run_training(config, points, env, network, plan, environment, output, checkp
             due = checkpoint_every and steps - saved >= checkpoint_every
             if (stopping or due) and steps < config.total_timesteps:  # an ended run has no use
                 clock = time.perf_counter()
-                # One due on the way that cannot be written (a full disk, say) does not end the
+                # One that cannot be written (a full disk, a file size limit) does not end the
                 # run: the trained agents are worth more, and its final files are far smaller
-                # (no replay buffers, target networks or optimizer states). One for a stop ends
-                # it, with one line, as any write.
+                # (no replay buffers, target networks or optimizer states). For a stop, they are
+                # written as they stand, without a checkpoint to go on from.
                 try:
                     with writing(output):
                         save_checkpoint(output, run, done, carry, metrics)
                 except OSError as error:
-                    line = f"cannot write {output / CHECKPOINT} ({error.strerror or error})"
-                    if stopping:
-                        fail(line, status=1)
-                    warning = f"dqn_cartpole.py: warning: {line}; training goes on"
+                    then = "the run so far is saved without it" if stopping else "training goes on"
+                    warning = f"dqn_cartpole.py: warning: cannot write {output / CHECKPOINT} "
+                    warning += f"({error.strerror or error}); {then}"
                     progress.say(warning.translate(ESCAPED))  # one line, as fail's
                 timings["checkpoint_time_s"] += time.perf_counter() - clock
                 saved = steps
@@ -2109,8 +2108,13 @@ def main(argv: list[str] | None = None) -> None:
             print(wall)
         if stopped:
             steps = f"{extra['steps_done']:,} of {config.total_timesteps:,} steps"
-            print(f"dqn_cartpole.py: stopped by {SIGNALS[stopped]} after {steps}, saved in "
-                  f"{output}/; {resume_hint(output)}", file=sys.stderr)  # fmt: skip
+            then = (
+                resume_hint(output)
+                if (output / CHECKPOINT).exists()
+                else "no checkpoint to go on from"
+            )
+            line = f"dqn_cartpole.py: stopped by {SIGNALS[stopped]} after {steps}, saved in "
+            print(f"{line}{output}/; {then}".translate(ESCAPED), file=sys.stderr)  # one line
             sys.exit(128 + stopped)
 
 

@@ -1760,8 +1760,10 @@ def test_a_checkpoint_on_the_way_that_cannot_be_written_does_not_end_the_run(
     lost, though its final files are far smaller (no replay buffers, target networks or
     optimizer states). Now one line says so and training goes on: the run ends written whole,
     replacing the previous run (--overwrite), which stayed as it was until then; no temporary
-    file is left. One for a stop still ends the run, with one line (a newline in the folder's
-    name shown escaped, in both)."""
+    file is left. One for a stop ended the run with one line, exit 1, and nothing of it saved
+    (a folder of its own removed): now the run so far is saved without it, and the line that
+    says it stopped says it has no checkpoint to go on from (a newline in the folder's name
+    shown escaped, in each line)."""
     folder = tmp_path / "run\n1"
     shown = str(folder / dqn.CHECKPOINT).replace("\n", "\\n")
     folder.mkdir()
@@ -1802,9 +1804,8 @@ def test_a_checkpoint_on_the_way_that_cannot_be_written_does_not_end_the_run(
         [*dqn.RUN_FILES, "learning_curves.png"]
     )
     assert json.loads((folder / "summary.json").read_text())["steps_done"] == 1_000
-    # One for a stop (SIGTERM as training starts: after the first block): the run ends, one
-    # line, and the run it was to replace stays as it was.
-    written = {path.name: path.read_bytes() for path in folder.iterdir()}
+    # One for a stop (SIGTERM as training starts: after the first block): the run so far is
+    # saved in place of the one it was to replace, without a checkpoint.
     start = dqn.Progress.__init__
 
     def stop_at_once(self, *args):
@@ -1814,12 +1815,18 @@ def test_a_checkpoint_on_the_way_that_cannot_be_written_does_not_end_the_run(
     monkeypatch.setattr(dqn.Progress, "__init__", stop_at_once)
     with pytest.raises(SystemExit) as exit_info:
         dqn.main([*TINY_ARGS, "--output-dir", str(folder), "--overwrite"])
-    assert exit_info.value.code == 1 and capsys.readouterr().err.splitlines()[-1] == (
-        f"dqn_cartpole.py: error: cannot write {shown} (No space left on device)"
+    err = capsys.readouterr().err.splitlines()
+    assert exit_info.value.code == 143 and len(tried) == 2, err
+    assert err[-2:] == [
+        f"dqn_cartpole.py: warning: cannot write {shown} (No space left on device); the run so "
+        "far is saved without it",
+        f"dqn_cartpole.py: stopped by SIGTERM after 500 of 1,000 steps, saved in "
+        f"{shown.removesuffix('/' + dqn.CHECKPOINT)}/; no checkpoint to go on from",
+    ], err
+    assert sorted(path.name for path in folder.iterdir()) == sorted(
+        [*dqn.RUN_FILES, "learning_curves.png"]
     )
-    assert (
-        len(tried) == 2 and {path.name: path.read_bytes() for path in folder.iterdir()} == written
-    )
+    assert json.loads((folder / "summary.json").read_text())["steps_done"] == 500
 
 
 def test_the_line_to_go_on_names_a_python_in_this_folder_by_its_path(monkeypatch):
