@@ -1220,11 +1220,16 @@ def replacing(folder: Path):
                 moved.append(path)
         started = True
         yield
-    except BaseException:  # the old files come back (all, or those set aside before it failed)
+    except BaseException as error:  # the old files come back (all, or those set aside till then)
+        stuck = path  # if not started: the file that would not move (immutable, another user's)
         for path in paths if started else moved:
             path.unlink(missing_ok=True)  # the new run's
             if set_aside(path).exists():
                 os.replace(set_aside(path), path)
+        if isinstance(error, OSError) and not started:  # it was a traceback
+            reason = error.strerror or error
+            fail(f"--overwrite: cannot set {stuck} aside ({reason}); the run there stays as it "
+                 "was, and this one is not written", status=1)  # fmt: skip
         raise
     for path in paths:
         set_aside(path).unlink(missing_ok=True)

@@ -149,12 +149,13 @@ def test_overwrite_keeps_the_previous_run_if_the_new_one_cannot_be_written(scrip
 
 
 def test_overwrite_that_fails_to_set_the_previous_run_aside_puts_it_back(
-    script, tmp_path, monkeypatch
+    script, tmp_path, monkeypatch, capsys
 ):
     """A rename that fails part way through setting the previous run aside (a full disk that
     has no room for a folder entry, say) left the files moved so far under their set-aside
     names, which the next write removed as a crash's leftovers: the previous run lost a file.
-    Now the files moved come back, and the rest were never touched."""
+    Now the files moved come back, and the rest were never touched; one line says so, exit 1
+    (it was a traceback, as for a file that cannot be moved: immutable, another user's)."""
     previous = {name: f"previous {name}" for name in script.RUN_NAMES}
     for name, text in previous.items():
         (tmp_path / name).write_text(text)
@@ -166,12 +167,18 @@ def test_overwrite_that_fails_to_set_the_previous_run_aside_puts_it_back(
             raise OSError(28, "No space left on device")
         return os.rename(source, target)
 
-    with monkeypatch.context() as patch, pytest.raises(OSError):
+    with monkeypatch.context() as patch, pytest.raises(SystemExit) as exit_info:
         patch.setattr(script.os, "replace", full_disk)
         with script.replacing(tmp_path):
             pytest.fail("the new run was written")
     assert calls[3:] == list(script.RUN_NAMES[:2])  # the two set aside came back
     assert {path.name: path.read_text() for path in tmp_path.iterdir()} == previous
+    err = capsys.readouterr().err.splitlines()
+    assert exit_info.value.code == 1 and err == [
+        f"{script.__name__}.py: error: --overwrite: cannot set {tmp_path / script.RUN_NAMES[2]} "
+        "aside (No space left on device); the run there stays as it was, and this one is not "
+        "written"
+    ], err
 
 
 def test_a_write_that_fails_is_one_line_and_leaves_no_temporary_file(script, tmp_path, capsys):
