@@ -1139,6 +1139,8 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int
         ints = np.issubdtype(metrics["step"].dtype, np.integer)
         if not (ints and floats) or (metrics["step"] != steps).any():
             raise ValueError("its metrics are not its config's evaluations")
+        if not np.isfinite(metrics["eval_return"]).all():  # as curves.csv must (read_curves)
+            raise ValueError("an eval_return in it is not a finite number")
         solved = run.get("solved_return")  # None: the env's own (and in older checkpoints)
         if solved is not None and not (type(solved) in (int, float) and abs(solved) < 3.4e38):
             raise ValueError(f"its solved return {solved!r} is not a number below 3.4e38 in size")

@@ -1982,6 +1982,8 @@ def test_a_checkpoint_that_does_not_hold_together_is_one_line(tmp_path):
         ({"arrays": metrics(step=str)}, evaluations),
         ({"arrays": metrics(returns=str)}, evaluations),
         ({"arrays": edited}, evaluations),
+        # trained to the end, then the figure's check of curves.csv was a traceback
+        ({"arrays": metrics() | {"eval_return": metrics()["eval_return"] + np.nan}}, "an eval_"),
         ({"solved_return": "yes"}, "its solved return 'yes' is not a number below 3.4e38"),
         ({"solved_return": 1e39}, "its solved return 1e+39 is not a number below 3.4e38"),
     ):
