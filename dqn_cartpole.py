@@ -1089,9 +1089,10 @@ def saved_config(saved: dict) -> Config:
     return config
 
 
-def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int]:
+def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int, bool]:
     """(Config, grid points, solved return, (blocks done, carry leaves, metrics), checkpoint
-    cadence) of a run that saved a checkpoint; any problem is a one-line ValueError."""
+    cadence, whether it draws render.gif) of a run that saved a checkpoint; any problem is a
+    one-line ValueError."""
     given = f"--resume {folder}"
     path, summary = Path(folder) / CHECKPOINT, Path(folder) / "summary.json"
     if not Path(folder).is_dir():
@@ -1147,13 +1148,16 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int
         every = run.get("checkpoint_every", 25_000)  # older checkpoints: the default
         if type(every) is not int or every < 0:
             raise ValueError(f"its checkpoint cadence {every!r} is not a whole number >= 0")
+        render = run.get("render", False)  # older checkpoints: unsaid
+        if type(render) is not bool:
+            raise ValueError(f"its render {render!r:.20} is not true or false")
         x64 = run.get("jax_enable_x64", jax.config.jax_enable_x64)  # older checkpoints: unsaid
     except Exception as error:
         raise ValueError(f"{given}: no checkpoint to resume from ({describe(error)})") from None
     if x64 != jax.config.jax_enable_x64:  # float64 arrays where float32 ones are wanted, or back
         setting = "set" if x64 else "unset"
         raise ValueError(f"{given}: its run had JAX_ENABLE_X64 {setting}; so must this")
-    return config, run["points"], solved, (done, leaves, metrics), every
+    return config, run["points"], solved, (done, leaves, metrics), every, render
 
 
 def read_curves(path: Path, shape: tuple[int, int, int]) -> dict[str, np.ndarray]:
@@ -1653,10 +1657,11 @@ class StopRequest:
 
 
 def run_training(config, points, env, network, plan, environment, output, checkpoint_every,
-                 start=None):  # fmt: skip
+                 start=None, render=False):  # fmt: skip
     """Train every agent (grid point x seed), saving a checkpoint every `checkpoint_every` steps
     (0: never) and when asked to stop -> (output, padding dropped; timings; the signal that
-    stopped the run early, or None)."""
+    stopped the run early, or None). `render`: the run draws render.gif as it ends (its
+    checkpoint says so to --resume)."""
     grid, num_points = hparam_grid(points), len(points)
     num_agents = num_points * config.num_seeds
     devices = plural(plan.num_devices, jax.devices()[0].platform + " device")
@@ -1665,6 +1670,7 @@ def run_training(config, points, env, network, plan, environment, output, checkp
     first = saved = 0 if start is None else int(start[2]["step"][0, -1])
     run = {"config": dataclasses.asdict(config), "points": points}
     run |= {"solved_return": environment["solved_return"], "checkpoint_every": checkpoint_every}
+    run["render"] = render
     run["jax_enable_x64"] = jax.config.jax_enable_x64  # its arrays' dtypes follow it
     timings = {"checkpoint_time_s": 0.0}
     # Before the first line: a signal stops the run as asked from the moment one can see it run
@@ -1756,7 +1762,7 @@ def parse_command(argv: list[str] | None):
     if args.load and args.overwrite and args.output_dir is None:  # a flag that would do nothing
         raise ValueError("--overwrite: --load writes into the run's folder, and replaces nothing")
     if args.resume:  # the run's own threshold and checkpoint cadence too, unless given
-        config, points, args.solved_return, start, every = load_checkpoint(args.resume)
+        config, points, args.solved_return, start, every, args.render = load_checkpoint(args.resume)
         args.checkpoint_every = every if args.checkpoint_every is None else args.checkpoint_every
         return args, config, points, None, start
     if args.load:  # load_summary.json records the run's config, with how this command
@@ -2078,7 +2084,9 @@ def main(argv: list[str] | None = None) -> None:
             results = [scores(r, solved, config.seed) for r in returns.reshape(len(points), -1)]
         else:
             trained = (config, points, env, network, plan, environment, output)
-            out, extra, stopped = run_training(*trained, args.checkpoint_every, checkpoint)
+            out, extra, stopped = run_training(
+                *trained, args.checkpoint_every, checkpoint, args.render
+            )
             extra["steps_done"] = int(out["metrics"]["step"][0, -1])
             params = out["params"]
             curves = out["metrics"]["eval_return"].reshape(len(points), config.num_seeds, -1)

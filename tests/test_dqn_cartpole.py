@@ -1445,7 +1445,7 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and "checkpoint does not fit its own config" in err, err
     run = json.loads(str(arrays["run"]))
-    assert run["jax_enable_x64"] is False  # as this session runs
+    assert run["jax_enable_x64"] is False and run["render"] is False  # as this session runs
     np.savez(
         damaged / dqn.CHECKPOINT, **{**arrays, "run": json.dumps(run | {"jax_enable_x64": True})}
     )
@@ -1960,6 +1960,10 @@ def test_a_checkpoint_that_does_not_hold_together_is_one_line(tmp_path):
 
     assert dqn.load_checkpoint(checkpoint(solved_return=100.0))[2] == 100.0
     assert dqn.load_checkpoint(checkpoint())[2] is None  # the env's own
+    # A run trained with --render: --resume, which takes no --render, removed the stopped run's
+    # render.gif and drew none as the run ended.
+    assert dqn.load_checkpoint(checkpoint(render=True))[5] is True
+    assert dqn.load_checkpoint(checkpoint())[5] is False  # an older checkpoint: not said
     edited = metrics() | {"step": metrics()["step"] * 3 // 5}  # saved with --eval-every 300
     # Each written as it is read (they shared one file, written all at once: each check read
     # the last).
@@ -1986,6 +1990,7 @@ def test_a_checkpoint_that_does_not_hold_together_is_one_line(tmp_path):
         ({"arrays": metrics() | {"eval_return": metrics()["eval_return"] + np.nan}}, "an eval_"),
         ({"solved_return": "yes"}, "its solved return 'yes' is not a number below 3.4e38"),
         ({"solved_return": 1e39}, "its solved return 1e+39 is not a number below 3.4e38"),
+        ({"render": "yes"}, "its render 'yes' is not true or false"),
     ):
         with pytest.raises(ValueError, match=rf"no checkpoint to resume from \({re.escape(why)}"):
             dqn.load_checkpoint(checkpoint(**changes))
