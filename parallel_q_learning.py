@@ -157,9 +157,9 @@ class GridWorld:
 
 def parse_layout(text: str) -> list[str]:
     """Map text -> rows, or LayoutError naming the problem and where it is."""
-    # Trailing spaces and the blank lines around the map are not part of it.
-    lines = "\n".join(line.rstrip() for line in text.splitlines()).strip("\n").splitlines()
-    if not lines:
+    # Rows split at "\n" only (not at a form feed); trailing spaces and outer blank lines dropped.
+    lines = "\n".join(line.rstrip() for line in text.split("\n")).strip("\n").split("\n")
+    if not lines[0]:
         raise LayoutError("empty map")
     for r, line in enumerate(lines):
         if len(line) != len(lines[0]):

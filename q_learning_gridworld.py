@@ -100,9 +100,9 @@ class GridMap(NamedTuple):
 @functools.cache  # Config checks the map, then GridWorld is built from it: one parse a run
 def parse_layout(text: str) -> GridMap:
     """Map text -> GridMap. Raises ValueError with a one-line reason."""
-    # Trailing spaces and the blank lines around the map are not part of it.
-    lines = "\n".join(line.rstrip() for line in text.splitlines()).strip("\n").splitlines()
-    if not lines:
+    # Rows split at "\n" only (not at a form feed); trailing spaces and outer blank lines dropped.
+    lines = "\n".join(line.rstrip() for line in text.split("\n")).strip("\n").split("\n")
+    if not lines[0]:
         raise ValueError("--layout: the map is empty")
     for row, line in enumerate(lines):
         if len(line) != len(lines[0]):

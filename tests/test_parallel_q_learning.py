@@ -375,6 +375,8 @@ def test_epsilon_greedy_breaks_ties_uniformly_and_explores():
         ("...\n..G", "exactly one S"),
         ("S.G\nG..", "exactly one G"),
         ("S#.\n##G", "cannot be reached"),
+        ("", "empty map"),
+        ("S.\x0c.G", r"'\\x0c' at row 0, col 2"),  # splitlines made two rows of what editors show
     ],
 )
 def test_bad_maps_are_refused(text, message):

@@ -528,6 +528,10 @@ BAD_MAPS = {
     "ragged": ("S...\n..G\n", "row 1 has 3 characters"),
     "unknown_char": ("S.o\n..G\n", "unknown character 'o'"),
     "empty": ("", "empty"),
+    "blank": (" \n\n  \n", "empty"),
+    # Rows that an editor shows as one: Python's splitlines made two of them (a 2 x 2 map)
+    "form_feed": ("S.\x0c.G\n", "unknown character '\\x0c' at row 0 col 2"),
+    "line_separator": ("S.\u2028.G\n", "unknown character '\\u2028' at row 0 col 2"),
     "unreachable": ("S#.\n##G\n", "cannot be reached"),
 }
 BAD_FLAGS = [
