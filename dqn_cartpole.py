@@ -668,23 +668,27 @@ def cgroup_free(proc=Path("/proc/self/cgroup"), root=Path("/sys/fs/cgroup")) -> 
     parents (cgroup v2 or v1), less the page cache the kernel can drop, as `docker stats` counts;
     inf where none limits it (a limit of "max", no such files, not Linux)."""
     free = math.inf
-    for folder, (limit, usage, cache) in cgroup_folders(proc, root):
+    for folder, name in cgroup_folders(proc, root):
+        limit, usage, cache = CGROUP_FILES[name]
         with contextlib.suppress(OSError, ValueError):  # no such file; "max"
-            stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
+            words = (folder / "memory.stat").read_text().split()  # lines of "name value"
+            stat = dict(zip(words[::2], words[1::2], strict=False))
             used = int((folder / usage).read_text()) - int(stat.get(cache, 0))
             free = min(free, max(int((folder / limit).read_text()) - used, 0))
     return free
 
 
 def cgroup_folders(proc: Path, root: Path):
-    """Yields (folder, its file names) for each memory cgroup holding this process, then each of
-    its parents up to the root, in which a limit may be set instead."""
-    with contextlib.suppress(OSError, ValueError):  # not Linux, or not as documented
-        for line in proc.read_text().splitlines():  # "id:controllers:/path", v2's controllers ""
-            _, controllers, path = line.split(":", 2)
-            for name in set(controllers.split(",")) & CGROUP_FILES.keys():
-                for folder in (PurePosixPath(path), *PurePosixPath(path).parents):
-                    yield root / name / str(folder).lstrip("/"), CGROUP_FILES[name]
+    """Yields (folder, "" for cgroup v2 or "memory" for v1) of each memory cgroup holding this
+    process, then of each of its parents up to the root, where a limit may be set instead."""
+    try:
+        lines = proc.read_text().splitlines()  # "id:controllers:/path", v2's controllers ""
+    except OSError:  # not Linux
+        return
+    for _, controllers, path in (line.split(":", 2) for line in lines if line.count(":") >= 2):
+        for name in {"", "memory"} & set(controllers.split(",")):
+            for folder in (PurePosixPath(path), *PurePosixPath(path).parents):
+                yield root / name / str(folder).lstrip("/"), name
 
 
 def plan_seeds(num_agents: int, need: int, platform=None) -> SeedPlan:
@@ -1898,7 +1902,7 @@ def replacing(folder: Path):
             if set_aside(path).exists():
                 os.replace(set_aside(path), path)
         if isinstance(error, OSError) and not started:  # it was a traceback
-            reason = error.strerror or error
+            reason, stuck = error.strerror or error, error.filename or stuck  # as the OS names it
             fail(f"--overwrite: cannot set {stuck} aside ({reason}); the run there stays as it "
                  "was, and this one is not written", status=1)  # fmt: skip
         raise
@@ -2123,11 +2127,7 @@ def main(argv: list[str] | None = None) -> None:
             print(wall)
         if stopped:
             steps = f"{extra['steps_done']:,} of {config.total_timesteps:,} steps"
-            then = (
-                resume_hint(output)
-                if (output / CHECKPOINT).exists()
-                else "no checkpoint to go on from"
-            )
+            then = stop_hint(output, extra["steps_done"])
             line = f"dqn_cartpole.py: stopped by {SIGNALS[stopped]} after {steps}, saved in "
             print(f"{line}{output}/; {then}".translate(ESCAPED), file=sys.stderr)  # one line
             sys.exit(128 + stopped)
@@ -2144,6 +2144,17 @@ def stopped_unfinished(signum: int) -> str:
     if kept:
         unfinished += f"; its last checkpoint stays, {resume_hint(kept[0])}"
     return f"dqn_cartpole.py: stopped by {SIGNALS[signum]}, {unfinished}"
+
+
+def stop_hint(output: Path, steps_done: int) -> str:
+    """How a stopped run goes on: from its checkpoint, an older one where the stop's own could
+    not be written (a full disk; --resume from it trains those steps again), or not at all."""
+    if not (output / CHECKPOINT).exists():
+        return "no checkpoint to go on from"
+    with np.load(output / CHECKPOINT) as saved:  # that array alone is read
+        step = int(saved["metrics_step"][0, -1])
+    older = "" if step == steps_done else f"its checkpoint is from step {step:,}, before this; "
+    return older + resume_hint(output)
 
 
 def resume_hint(output: Path) -> str:
@@ -2323,7 +2334,7 @@ if __name__ == "__main__":
         for signum in SIGNALS:  # a second signal (a process group's, say) must not cut this line
             signal.signal(signum, ignore)
         signum = interrupt.args[0] if isinstance(interrupt, Stopped) else signal.SIGINT
-        print(stopped_unfinished(signum), file=sys.stderr, flush=True)
+        print(stopped_unfinished(signum).translate(ESCAPED), file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(128 + signum)  # now: not after the compiled call still running in the background
     finally:  # the run has ended: in JAX's clean-up at exit, a signal has its default effect

@@ -587,15 +587,23 @@ def cgroup_limit(proc=Path("/proc/self/cgroup"), root=Path("/sys/fs/cgroup")) ->
     """The tightest memory limit, in bytes, of the cgroups holding this process and of their
     parents (cgroup v2 or v1); inf where none is set ("max", no such files, not Linux)."""
     limit = math.inf
-    with contextlib.suppress(OSError, ValueError):  # not Linux, or not as documented
-        for line in proc.read_text().splitlines():  # "id:controllers:/path", v2's controllers ""
-            _, controllers, path = line.split(":", 2)
-            for name in set(controllers.split(",")) & CGROUP_LIMITS.keys():
-                for folder in (PurePosixPath(path), *PurePosixPath(path).parents):
-                    file = root / name / str(folder).lstrip("/") / CGROUP_LIMITS[name]
-                    with contextlib.suppress(OSError, ValueError):  # no such file; "max"
-                        limit = min(limit, int(file.read_text()))
+    for folder, name in cgroup_folders(proc, root):
+        with contextlib.suppress(OSError, ValueError):  # no such file; "max"
+            limit = min(limit, int((folder / CGROUP_LIMITS[name]).read_text()))
     return limit
+
+
+def cgroup_folders(proc: Path, root: Path):
+    """Yields (folder, "" for cgroup v2 or "memory" for v1) of each memory cgroup holding this
+    process, then of each of its parents up to the root, where a limit may be set instead."""
+    try:
+        lines = proc.read_text().splitlines()  # "id:controllers:/path", v2's controllers ""
+    except OSError:  # not Linux
+        return
+    for _, controllers, path in (line.split(":", 2) for line in lines if line.count(":") >= 2):
+        for name in {"", "memory"} & set(controllers.split(",")):
+            for folder in (PurePosixPath(path), *PurePosixPath(path).parents):
+                yield root / name / str(folder).lstrip("/"), name
 
 
 def plural(count: int, noun: str) -> str:
@@ -967,7 +975,8 @@ def plot_heatmap(summary: dict):
         stats = [row[measure] for row in summary["grid"]]  # grid order: gamma slowest
         means = np.reshape([s["mean"] for s in stats], (len(gammas), len(lrs), len(epsilons)))
         cis = np.reshape([s["ci95"] or [np.nan] * 2 for s in stats], (*means.shape, 2))
-        low, high = means.min(), max(means.max(), means.min() + 0.01)  # one value: no 0-wide scale
+        drawn = means[shown]  # the scale spans the gammas drawn
+        low, high = drawn.min(), max(drawn.max(), drawn.min() + 0.01)  # one value: not 0 wide
         for ax, g in zip(axes[m], shown, strict=True):
             gamma, panel, ci = gammas[g], means[g], cis[g]
             image = ax.imshow(panel, vmin=low, vmax=high, cmap="viridis", origin="lower")
@@ -1227,7 +1236,7 @@ def replacing(folder: Path):
             if set_aside(path).exists():
                 os.replace(set_aside(path), path)
         if isinstance(error, OSError) and not started:  # it was a traceback
-            reason = error.strerror or error
+            reason, stuck = error.strerror or error, error.filename or stuck  # as the OS names it
             fail(f"--overwrite: cannot set {stuck} aside ({reason}); the run there stays as it "
                  "was, and this one is not written", status=1)  # fmt: skip
         raise

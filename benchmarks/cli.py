@@ -219,18 +219,25 @@ CGROUP_LIMITS = {"": "memory.max", "memory": "memory.limit_in_bytes"}  # cgroup 
 
 def cgroup_limit(proc=Path("/proc/self/cgroup"), root=Path("/sys/fs/cgroup")) -> float:
     """The tightest memory limit, in bytes, of the cgroups holding this process and of their
-    parents (a container's, a Slurm job's --mem; cgroup v2 or v1), as in the scripts; inf where
-    none is set ("max", no such files, not Linux)."""
+    parents (cgroup v2 or v1); inf where none is set ("max", no such files, not Linux)."""
     limit = math.inf
-    with contextlib.suppress(OSError, ValueError):  # not Linux, or not as documented
-        for line in proc.read_text().splitlines():  # "id:controllers:/path", v2's controllers ""
-            _, controllers, path = line.split(":", 2)
-            for name in set(controllers.split(",")) & CGROUP_LIMITS.keys():
-                for folder in (PurePosixPath(path), *PurePosixPath(path).parents):
-                    file = root / name / str(folder).lstrip("/") / CGROUP_LIMITS[name]
-                    with contextlib.suppress(OSError, ValueError):  # no such file; "max"
-                        limit = min(limit, int(file.read_text()))
+    for folder, name in cgroup_folders(proc, root):
+        with contextlib.suppress(OSError, ValueError):  # no such file; "max"
+            limit = min(limit, int((folder / CGROUP_LIMITS[name]).read_text()))
     return limit
+
+
+def cgroup_folders(proc: Path, root: Path):
+    """Yields (folder, "" for cgroup v2 or "memory" for v1) of each memory cgroup holding this
+    process, then of each of its parents up to the root, where a limit may be set instead."""
+    try:
+        lines = proc.read_text().splitlines()  # "id:controllers:/path", v2's controllers ""
+    except OSError:  # not Linux
+        return
+    for _, controllers, path in (line.split(":", 2) for line in lines if line.count(":") >= 2):
+        for name in {"", "memory"} & set(controllers.split(",")):
+            for folder in (PurePosixPath(path), *PurePosixPath(path).parents):
+                yield root / name / str(folder).lstrip("/"), name
 
 
 def check_backend() -> None:

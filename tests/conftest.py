@@ -66,17 +66,19 @@ GIB = 2**30
 @pytest.fixture
 def fake_cgroups(tmp_path) -> tuple[Path, Path]:
     """A Slurm job's memory cgroups as /proc/self/cgroup and /sys/fs/cgroup show them, v1 and v2
-    side by side -> (that file, that folder). v1: the job limited to 8 GiB, 3 GiB in use of which
+    side by side -> (that file, that folder). v1: the job limited to 5 GiB, 3 GiB in use of which
     1 GiB is page cache the kernel can drop, its step unlimited; v2: the job 6 GiB, 2 GiB in use,
-    its step "max". So the tightest limit is 6 GiB and the least left 4 GiB. A limit file under
-    the cpu controller is not a memory limit, and a last line not as documented is no error."""
+    its step "max". So the tightest limit is 5 GiB and the least left 3 GiB (2 GiB if the cache
+    were counted as used). A limit file under the cpu controller is not a memory limit; a line
+    not as documented, and a blank line in memory.stat, are no error."""
     proc = tmp_path / "cgroup"
-    lines = ["5:cpu,cpuacct:/slurm/job_1", "4:memory:/slurm/job_1/step_0", "0::/slurm/job_1/step_0"]
-    proc.write_text("\n".join([*lines, "a line not as documented"]))
-    v1 = {"memory.usage_in_bytes": 3 * GIB, "memory.stat": f"cache 5\ntotal_inactive_file {GIB}"}
+    lines = ["a line not as documented", "5:cpu,cpuacct:/slurm/job_1"]
+    lines += ["4:memory:/slurm/job_1/step_0", "0::/slurm/job_1/step_0"]
+    proc.write_text("\n".join(lines))
+    v1 = {"memory.usage_in_bytes": 3 * GIB, "memory.stat": f"cache 5\n\ntotal_inactive_file {GIB}"}
     v2 = {"memory.current": 2 * GIB, "memory.stat": "anon 5\ninactive_file 0"}
     folders = {
-        "memory/slurm/job_1": {**v1, "memory.limit_in_bytes": 8 * GIB},
+        "memory/slurm/job_1": {**v1, "memory.limit_in_bytes": 5 * GIB},
         "memory/slurm/job_1/step_0": {**v1, "memory.limit_in_bytes": 9223372036854771712},
         "slurm/job_1": {**v2, "memory.max": 6 * GIB},
         "slurm/job_1/step_0": {**v2, "memory.max": "max"},

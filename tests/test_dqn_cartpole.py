@@ -496,7 +496,7 @@ def test_free_memory_is_what_the_tightest_cgroup_leaves(
     run may use: in a cgroup of 2 GiB, 600 seeds with 100,000-transition buffers passed the
     check against this machine's RAM, and the kernel killed the run (exit 137, an empty folder
     left). Now one line naming --num-seeds, and no folder."""
-    assert dqn.cgroup_free(*fake_cgroups) == 4 * 2**30  # v2's job: 6 GiB less 2 in use
+    assert dqn.cgroup_free(*fake_cgroups) == 3 * 2**30  # v1's job: 5 GiB less 3 used, 1 cache
     assert dqn.cgroup_free(tmp_path / "no such file", tmp_path) == math.inf  # not Linux
     monkeypatch.setattr(dqn, "cgroup_free", lambda: 2 * 2**30)
     argv = "--total-timesteps 2000 --eval-every 1000 --num-seeds 600 --buffer-size 100000"
@@ -1827,6 +1827,37 @@ def test_a_checkpoint_on_the_way_that_cannot_be_written_does_not_end_the_run(
         [*dqn.RUN_FILES, "learning_curves.png"]
     )
     assert json.loads((folder / "summary.json").read_text())["steps_done"] == 500
+
+
+def test_a_stop_whose_checkpoint_fails_names_the_older_one_it_leaves(tmp_path, monkeypatch, capsys):
+    """A stop at 1,500 steps whose checkpoint cannot be written saves the run so far beside the
+    last checkpoint written, at 500: its line said "to go on" as if that checkpoint were this
+    stop's, and --resume goes back 1,000 steps. Now it says which step the checkpoint is of."""
+    savez, calls = np.savez, []
+
+    def full_after_the_first(file, **arrays):
+        calls.append(len(calls))
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        savez(file, **arrays)
+
+    monkeypatch.setattr(np, "savez", full_after_the_first)
+    progress = dqn.Progress.__call__
+
+    def stop_after_1000(self, steps, seconds):  # seen as the next block ends, at 1,500
+        progress(self, steps, seconds)
+        if steps == 1000:
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(dqn.Progress, "__call__", stop_after_1000)
+    folder, size = tmp_path / "run", ["--total-timesteps", "2000", "--checkpoint-every", "500"]
+    with pytest.raises(SystemExit) as exit_info:
+        dqn.main([*TINY_ARGS, *size, "--output-dir", str(folder)])
+    err = capsys.readouterr().err.splitlines()
+    assert exit_info.value.code == 143 and len(calls) == 3, err  # at 500, 1,000 and the stop
+    assert "after 1,500 of 2,000 steps" in err[-1], err
+    assert "; its checkpoint is from step 500, before this; to go on: " in err[-1], err
+    assert json.loads((folder / "summary.json").read_text())["steps_done"] == 1_500
 
 
 def test_the_line_to_go_on_names_a_python_in_this_folder_by_its_path(monkeypatch):

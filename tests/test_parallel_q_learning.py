@@ -418,7 +418,7 @@ def test_the_memory_is_the_tightest_cgroups_limit(fake_cgroups, tmp_path, monkey
     memory: in a cgroup of 1 GiB, 20,000 seeds passed the check against this machine's RAM,
     trained, and the kernel killed the run as it drew its figures (exit 137, half of it
     written). Now refused before it trains, naming --num-seeds."""
-    assert pq.cgroup_limit(*fake_cgroups) == 6 * 2**30  # v2's job, below v1's 8 GiB
+    assert pq.cgroup_limit(*fake_cgroups) == 5 * 2**30  # v1's job, below v2's 6 GiB
     assert pq.cgroup_limit(tmp_path / "no such file", tmp_path) == math.inf  # not Linux
     monkeypatch.setattr(pq.jax, "default_backend", lambda: "cpu")
     monkeypatch.setattr(pq, "cgroup_limit", lambda: 2**30)

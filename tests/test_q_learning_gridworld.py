@@ -617,7 +617,7 @@ def test_the_memory_is_the_tightest_cgroups_limit(fake_cgroups, tmp_path, capsys
     memory: in a cgroup of 1 GiB, 1,000 seeds passed the check against this machine's RAM and
     the kernel killed the run (exit 137, an empty folder left). Now one line naming
     --num-seeds."""
-    assert qlg.cgroup_limit(*fake_cgroups) == 6 * 2**30  # v2's job, below v1's 8 GiB
+    assert qlg.cgroup_limit(*fake_cgroups) == 5 * 2**30  # v1's job, below v2's 6 GiB
     assert qlg.cgroup_limit(tmp_path / "no such file", tmp_path) == math.inf  # not Linux
     monkeypatch.setattr(qlg.jax, "default_backend", lambda: "cpu")
     monkeypatch.setattr(qlg, "cgroup_limit", lambda: 2**30)
