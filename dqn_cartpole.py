@@ -1454,10 +1454,13 @@ def join_cluster(args) -> None:
     )
 
 
-def check_same_flags(config: Config, points: list) -> None:
+def check_same_flags(config: Config, points: list, modes: dict) -> None:
     """ValueError naming a flag whose value differs between the processes of a cluster: each
-    would train its share of the agents with its own value (or JAX abort on another shape)."""
-    values = {name: v for name, v in dataclasses.asdict(config).items() if name != "output_dir"}
+    would train its share of the agents with its own value (or JAX abort on another shape).
+    `modes` first: --resume (the blocks done) or --load given to some processes only made them
+    wait for each other's programs, for ever, deaf to signals."""
+    values = modes | dataclasses.asdict(config)
+    values.pop("output_dir")
     values |= {name: [point[name] for point in points] for name in HParams._fields}  # the lists
     digests = np.array([[zlib.crc32(repr(v).encode()) for v in values.values()]], np.uint32)
     every = gather(digests)  # [processes, flags]
@@ -2031,7 +2034,8 @@ def main(argv: list[str] | None = None) -> None:
         join_cluster(args)
         check_backend()
         if jax.process_count() > 1:
-            check_same_flags(config, points)
+            modes = {"resume": checkpoint and checkpoint[0], "load": bool(args.load)}
+            check_same_flags(config, points, modes)
         if jax.process_index() > 0:  # process 0 reports and writes for the whole cluster
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
         env_id, env = gymnax_id(config.env), make_env(config.env)

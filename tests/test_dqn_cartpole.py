@@ -854,6 +854,22 @@ def test_processes_given_other_flags_are_one_line_before_training(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_load_given_to_one_process_of_a_cluster_is_one_line(tmp_path):
+    """--load (or --resume) given to process 1 alone: the two ran other programs and waited for
+    each other's (--resume: for ever, deaf to SIGTERM and Ctrl-C; --load: training failed after
+    43 s with Gloo's error). Now one line in both, exit 2, before any work."""
+    run = tmp_path / "run"
+    dqn.main([*TINY_ARGS, "--output-dir", str(run)])
+    processes = launch_cluster(tmp_path, [], ["--load", str(run)])  # 0: the default run
+    for process in processes:
+        _, err = process.communicate(timeout=120)
+        last = err.strip().splitlines()[-1]
+        assert process.returncode == 2 and "Traceback" not in err, err
+        assert last == "dqn_cartpole.py: error: --load differs between the processes; give all " \
+            "the same", err  # fmt: skip
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]
+
+
 def test_a_signal_to_process_1_stops_and_saves_the_whole_run(tmp_path):
     """SIGTERM to process 1 of a cluster (Ctrl-C in its terminal alike): every process stops
     after the block in progress, and process 0 saves the run with a checkpoint and says how to
