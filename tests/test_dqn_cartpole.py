@@ -844,14 +844,18 @@ def test_processes_given_other_flags_are_one_line_before_training(tmp_path):
     with its own values (the width: JAX would abort on the other shape, a C++ trace from gloo).
     One line in both, naming the first flag that differs, exit 2, nothing written."""
     only_1 = ["--learning-rate", "0.05", "--hidden-sizes", "32"]
-    processes = launch_cluster(tmp_path, TINY_ARGS, only_1)
+    assert_each_says_differs(launch_cluster(tmp_path, TINY_ARGS, only_1), "--learning-rate")
+    assert not any(tmp_path.iterdir())
+
+
+def assert_each_says_differs(processes: list[subprocess.Popen], name: str) -> None:
+    """Every process of the cluster ends with exit 2 and one line naming the flag, no traceback."""
     for process in processes:
         _, err = process.communicate(timeout=120)
         last = err.strip().splitlines()[-1]
         assert process.returncode == 2 and "Traceback" not in err, err
-        assert last == "dqn_cartpole.py: error: --learning-rate differs between the processes; " \
-            "give all the same", err  # fmt: skip
-    assert not any(tmp_path.iterdir())
+        assert last == f"dqn_cartpole.py: error: {name} differs between the processes; give " \
+            "all the same", err  # fmt: skip
 
 
 def test_load_given_to_one_process_of_a_cluster_is_one_line(tmp_path):
@@ -861,12 +865,7 @@ def test_load_given_to_one_process_of_a_cluster_is_one_line(tmp_path):
     run = tmp_path / "run"
     dqn.main([*TINY_ARGS, "--output-dir", str(run)])
     processes = launch_cluster(tmp_path, [], ["--load", str(run)])  # 0: the default run
-    for process in processes:
-        _, err = process.communicate(timeout=120)
-        last = err.strip().splitlines()[-1]
-        assert process.returncode == 2 and "Traceback" not in err, err
-        assert last == "dqn_cartpole.py: error: --load differs between the processes; give all " \
-            "the same", err  # fmt: skip
+    assert_each_says_differs(processes, "--load")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]
 
 
