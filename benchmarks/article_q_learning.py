@@ -91,8 +91,7 @@ def main():
     def make_keys():  # 0 agents: one key, no vmap
         return random.split(random.key(0), args.num_agents) if args.num_agents else random.key(0)
 
-    fn = fn.lower(jax.eval_shape(make_keys)).compile()  # its memory known before it is allocated
-    cli.check_fits(fn, "--num-agents, --timesteps")
+    fn = cli.compile_if_fits(fn, jax.eval_shape(make_keys), "--num-agents, --timesteps")
     keys = make_keys()
     jax.block_until_ready(fn(keys))  # warm up
     start = time.perf_counter()

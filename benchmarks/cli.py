@@ -204,11 +204,25 @@ def failed(result: subprocess.CompletedProcess) -> None:
     fail(f"{Path(result.args[1]).name} failed: {last}"[:300], 2 if result.returncode == 2 else 1)
 
 
-def check_fits(compiled, flags: str) -> None:
-    """One line naming `flags` unless a compiled call's arguments, outputs and temporaries fit
-    in half of this machine's memory: too many agents, refused before they are allocated."""
+def compile_if_fits(fn, shapes, flags: str):
+    """`fn`, a jitted function, compiled for arguments of `shapes`, unless its arguments, outputs
+    and temporaries need more than half this machine's memory: too many agents, one line naming
+    `flags` before they are allocated. Arguments and outputs are counted before it compiles too:
+    for a program far beyond its memory, XLA's GPU compiler logs errors of its own (an H200)."""
+    import jax
+
+    leaves = jax.tree.leaves((shapes, jax.eval_shape(fn, shapes)))
+    check_fits(sum(leaf.size * leaf.dtype.itemsize for leaf in leaves), flags)
+    compiled = fn.lower(shapes).compile()
     stats = compiled.memory_analysis()
     need = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+    check_fits(need, flags)
+    return compiled
+
+
+def check_fits(need: float, flags: str) -> None:
+    """One line naming `flags` unless `need` bytes fit in half of this machine's memory (the
+    tightest of its RAM and its cgroups' limits)."""
     half = min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), cgroup_limit()) / 2
     if need > half:
         fail(f"{flags}: about {need / 2**30:,.1f} GiB, more than half the memory")

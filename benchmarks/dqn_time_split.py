@@ -198,8 +198,7 @@ def main() -> None:
     functions = {}
     for name, f in parts(args.steps).items():
         if name == "update" or not args.profile:
-            functions[name] = jax.jit(jax.vmap(f)).lower(shape).compile()
-            cli.check_fits(functions[name], "--agents, --steps")  # before the agents' state
+            functions[name] = cli.compile_if_fits(jax.jit(jax.vmap(f)), shape, "--agents, --steps")
     keys = jax.random.split(jax.random.key(0), args.agents)
     if args.profile:
         return profile(functions["update"], keys, args.steps)

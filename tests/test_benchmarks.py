@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -290,21 +289,47 @@ def test_a_closed_stdout_does_not_stop_a_benchmark():
 
 
 def test_the_yardsticks_memory_is_the_tightest_cgroups_limit(fake_cgroups, monkeypatch, capsys):
-    """A yardstick refuses agents whose compiled call needs more than half the memory: in a
-    container or a Slurm job (--mem), half the cgroup's limit, not of the machine's RAM."""
+    """A yardstick refuses agents that need more than half the memory: in a container or a Slurm
+    job (--mem), half the cgroup's limit, not of the machine's RAM."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import cli
 
     assert cli.cgroup_limit(*fake_cgroups) == 5 * 2**30  # v1's job, below v2's 6 GiB
-    sizes = {"argument_size_in_bytes": 2**29, "output_size_in_bytes": 1, "temp_size_in_bytes": 0}
-
-    class Compiled:  # what jax's compiled call reports: half a GiB and a byte
-        def memory_analysis(self):
-            return SimpleNamespace(**sizes)
-
-    cli.check_fits(Compiled(), "--num-agents")  # this machine's RAM: it fits
+    cli.check_fits(2**29 + 1, "--num-agents")  # half a GiB and a byte: this machine's RAM holds it
     monkeypatch.setattr(cli, "cgroup_limit", lambda: 2**30)
     with pytest.raises(SystemExit) as exit_info:
-        cli.check_fits(Compiled(), "--num-agents")
+        cli.check_fits(2**29 + 1, "--num-agents")
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and "--num-agents: about 0.5 GiB" in err[0]
+
+
+def test_agents_whose_outputs_cannot_fit_are_refused_before_compiling(monkeypatch, capsys):
+    """On an H200, the yardstick's 10^9 agents (1.5 TB of Q-tables) were compiled before the
+    check, and XLA's GPU compiler logged two error lines of its own above the refusal. Arguments
+    and outputs are now counted from their shapes first; temporaries after compiling."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import cli
+    import jax
+    import jax.numpy as jnp
+
+    lowered = []
+
+    class Jitted:  # a jitted function that records each compile
+        def __init__(self, size):
+            self.jitted = jax.jit(lambda key: jnp.zeros(size) + jax.random.uniform(key))
+
+        def __call__(self, key):
+            return self.jitted(key)
+
+        def lower(self, key):
+            lowered.append(key)
+            return self.jitted.lower(key)
+
+    key = jax.random.key(0)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.compile_if_fits(Jitted(2**45), key, "--num-agents")  # 128 TiB of float32
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "--num-agents: about" in err[0], err
+    assert not lowered
+    compiled = cli.compile_if_fits(Jitted(3), key, "--num-agents")
+    assert lowered and compiled(key).shape == (3,)
