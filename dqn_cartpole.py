@@ -1202,10 +1202,7 @@ def plot_run(output: Path) -> Path:
     curves = read_curves(output / "curves.csv", shape)
     with reading(output / "summary.json"):  # the figure reads the rest of it
         config, environment = summary["config"], summary["environment"]
-        total = config["total_timesteps"]
-        done = summary.get("steps_done", total)
-        if type(done) is not int or not 0 <= done <= total:
-            raise ValueError(f"its steps_done {done!r} is not a step count up to {total:,}")
+        total, done = config["total_timesteps"], saved_steps(summary)
         steps = f"{total:,} steps" if done == total else f"{done:,} of {total:,} steps (stopped)"
         title = f"DQN on {environment['id']}: {plural(config['num_seeds'], 'seed')} x {steps}"
         solved = environment["solved_return"]
@@ -1218,6 +1215,16 @@ def plot_run(output: Path) -> Path:
             fig = plot_learning_curves(curves, summary, solved, title)
     save_figure(fig, path)
     return path
+
+
+def saved_steps(summary: dict) -> int:
+    """The steps a saved run's params were trained for: its steps_done (a run written before
+    that was recorded had finished); ValueError unless a step count up to its total."""
+    total = summary["config"]["total_timesteps"]
+    done = summary.get("steps_done", total)
+    if type(done) is not int or not 0 <= done <= total:
+        raise ValueError(f"its steps_done {done!r} is not a step count up to {total:,}")
+    return done
 
 
 def save_figure(fig, path: Path) -> None:
@@ -1548,9 +1555,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_run(folder: str) -> tuple[Config, Any, list | None, float | None]:
-    """Saved config, params, grid points (None: one configuration) and solved return (None:
-    none) of a run folder; any problem is a one-line ValueError."""
+def load_run(folder: str) -> tuple[Config, Any, list | None, float | None, int]:
+    """Saved config, params, grid points (None: one configuration), solved return (None: none)
+    and the steps its params were trained for (a stopped run's: fewer than its config's) of a
+    run folder; any problem is a one-line ValueError."""
     given = f"--load {folder}"
     if not Path(folder).is_dir():
         raise ValueError(f"{given}: {'not a' if Path(folder).exists() else 'no such'} folder")
@@ -1566,11 +1574,12 @@ def load_run(folder: str) -> tuple[Config, Any, list | None, float | None]:
             solved = None if solved is None else float(solved)
             if solved is not None and not abs(solved) < 3.4e38:  # NaN too
                 raise ValueError(f"its solved_return {solved} is not below 3.4e38 in size")
+            steps = saved_steps(summary)
         with reading(Path(folder) / "params.msgpack") as path:
             params = flax.serialization.msgpack_restore(path.read_bytes())
     except ValueError as error:  # reading's, which names the file
         raise ValueError(f"{given}: cannot read its {error}") from None
-    return config, params, grid, solved
+    return config, params, grid, solved, steps
 
 
 def check_params(params, network: QNetwork, env, folder: str, agents: int) -> None:
@@ -1772,8 +1781,8 @@ def parse_command(argv: list[str] | None):
         config, points, args.solved_return, start, every, args.render = load_checkpoint(args.resume)
         args.checkpoint_every = every if args.checkpoint_every is None else args.checkpoint_every
         return args, config, points, None, start
-    if args.load:  # load_summary.json records the run's config, with how this command
-        saved, params, points, solved = load_run(args.load)  # evaluated it: seed, episodes, folder
+    if args.load:  # load_summary.json: the run's config and steps, this command's evaluation
+        saved, params, points, solved, args.steps_done = load_run(args.load)
         check_same_run(saved, given, args.load)
         if args.solved_return is None:  # the run's own threshold, as --resume takes it
             args.solved_return = solved
@@ -2084,7 +2093,8 @@ def main(argv: list[str] | None = None) -> None:
     stop_if_received()
     if args.load:  # fresh greedy episodes of the saved params
         returns = evaluate()
-        extra, stopped = {"loaded_from": str(Path(args.load).resolve())}, None
+        extra = {"loaded_from": str(Path(args.load).resolve()), "steps_done": args.steps_done}
+        stopped = None
     # From the end of training (run_training handles signals until then), a signal waits until
     # the run is written: no moment between the two where it would lose the trained run.
     with written_whole():
@@ -2122,8 +2132,10 @@ def main(argv: list[str] | None = None) -> None:
         name = "load_summary.json" if args.load else "summary.json"
         wall = f"wall {time.perf_counter() - start:.1f} s -> {output / name}"
         if len(points) == 1:
-            scored = score_line(results[0], solved)
-            print(f"final greedy return of {plural(len(returns), 'seed')}: {scored}; {wall}")
+            done, total, seeds = extra["steps_done"], config.total_timesteps, len(returns)
+            what = f"greedy return of {plural(seeds, 'seed')}"  # a stopped run's: not final
+            what = f"final {what}" if done == total else f"{what} after {done:,} of {total:,} steps"
+            print(f"{what}: {score_line(results[0], solved)}; {wall}")
         else:
             print("grid points, best first (by solved share, then IQM):")
             for place, g in enumerate(ranked(results), start=1):

@@ -1433,9 +1433,10 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
     ends, the run so far is saved (summary, curves, params, figure and a checkpoint of the whole
     training state), one line says how to go on, to paste into a shell, exit 129, no traceback.
     --resume then ends with the very files of a run never stopped, bit for bit, judged by the
-    run's own --solved-return, drops the checkpoint and what --load wrote of the old params; a
-    damaged copy of it is one line, and so is the folder while a run still holds it or this user
-    cannot write to it (named by --resume).
+    run's own --solved-return, drops the checkpoint and what --load wrote of the old params (its
+    line and load_summary.json say at which step they are, not "final"); a damaged copy of it is
+    one line, and so is the folder while a run still holds it or this user cannot write to it
+    (named by --resume).
     So does a run killed past half way, from its --checkpoint-every checkpoint. Every run takes
     exactly 3,734 steps."""
     stopped, whole = tmp_path / "stopped run", tmp_path / "whole"
@@ -1445,6 +1446,8 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
     assert_goes_on(printed.strip().splitlines()[-1], stopped)
     summary = json.loads((stopped / "summary.json").read_text())
     assert 0 < summary["steps_done"] < 3_734 and summary["steps_done"] % 500 == 0
+    after = f"greedy return of 3 seeds after {summary['steps_done']:,} of 3,734 steps: "
+    assert after in printed and "final greedy" not in printed, printed  # they were not final
     assert (stopped / dqn.CHECKPOINT).exists() and (stopped / "learning_curves.png").exists()
     with np.load(stopped / dqn.CHECKPOINT) as saved:  # the 3 seeds, not the 64 padded agents
         arrays = [saved[name] for name in saved.files if name.startswith(("carry_", "metrics_"))]
@@ -1499,6 +1502,9 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
         with pytest.raises(pytest.fail.Exception, match="it played"):
             dqn.main(["--load", str(stopped)])
     (stopped / "sweep.png").rmdir()
+    dqn.main(["--load", str(stopped), "--eval-episodes", "1"])  # it said "final", and its
+    loaded = json.loads((stopped / "load_summary.json").read_text())  # summary not which step
+    assert loaded["steps_done"] == summary["steps_done"] and after in capsys.readouterr().out
     for name in ("load_summary.json", "render.gif"):  # as --load of the stopped run writes
         (stopped / name).write_text("{}")
     dqn.main(["--resume", str(stopped)])
