@@ -949,22 +949,33 @@ CURVES = ("step", "eval_return", "train_return", "loss")  # curves.csv's columns
 
 
 @contextlib.contextmanager
-def atomic_open(path: Path, mode: str = "w", fatal: bool = True):
-    """Write to a temporary name beside path, then rename: no reader sees half a file. A write
-    that fails (a full disk, say) ends the script with one line, or raises its OSError if not
-    `fatal`."""
+def atomic_open(path: Path, mode: str = "w", fatal: bool = True, together: list | None = None):
+    """Write to a temporary name beside path, then rename: no reader sees half a file. Given
+    `together`, the files written before, the rename waits for rename_all(together): files
+    written one after another appear all or none. A write that fails (a full disk, say) ends the
+    script with one line, or raises its OSError if not `fatal`; no temporary file stays."""
+    pending = [] if together is None else together
     try:  # a new file: one at that name could be a link, and writing through it writes elsewhere
         temporary(path).unlink(missing_ok=True)
         with open(temporary(path), mode.replace("w", "x")) as file:
             yield file
-        os.replace(temporary(path), path)
+        pending.append(path)
+        if together is None:
+            rename_all(pending)
     except BaseException as error:  # an error, Ctrl-C: no temporary file left behind
-        temporary(path).unlink(missing_ok=True)
+        for written in {path, *pending}:
+            temporary(written).unlink(missing_ok=True)
         if isinstance(error, OSError) and fatal:
             reason = error.strerror or error  # no file name: the temporary one
             remove_if_empty(path.parent)  # the run's folder, if this was to be its first file
             fail(f"cannot write {path} ({reason})", status=1)
         raise
+
+
+def rename_all(paths: list[Path]) -> None:
+    """Each file written under its temporary name (atomic_open's `together`) to its own."""
+    for path in paths:
+        os.replace(temporary(path), path)
 
 
 def temporary(path: Path) -> Path:
@@ -1014,28 +1025,32 @@ def json_safe(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def write_json(path: Path, summary: dict) -> None:
-    with atomic_open(path) as file:
+def write_json(path: Path, summary: dict, together: list | None = None) -> None:
+    with atomic_open(path, together=together) as file:
         json.dump(json_safe(summary), file, indent=2, allow_nan=False)
 
 
 def save_run(output: Path, summary: dict, points: list, out: dict) -> None:
     """RUN_FILES: the summary; curves.csv, one row per grid point x seed x evaluation (a swept
     hyperparameter's column first, an empty cell where a value is NaN: no finished episode or
-    no update in that block); the final params of every agent. The figures come from these."""
-    write_json(output / "summary.json", summary)
+    no update in that block); the final params of every agent. The figures come from these.
+    All three or none: a full disk half way left the new summary beside a stopped run's params
+    (--resume), or a summary alone (a new run)."""
+    written = []  # renamed together once all are written
+    write_json(output / "summary.json", summary, written)
     swept = [name for name in HParams._fields if len({p[name] for p in points}) > 1]
     metrics = {name: np.asarray(out["metrics"][name]) for name in CURVES}  # [agents, evals]
     num_seeds = summary["config"]["num_seeds"]
-    with atomic_open(output / "curves.csv") as file:
+    with atomic_open(output / "curves.csv", together=written) as file:
         writer = csv.writer(file, lineterminator="\n")
         writer.writerow([*swept, "seed", *CURVES])
         for agent, point in enumerate(p for p in points for _ in range(num_seeds)):
             for values in zip(*(metrics[name][agent] for name in CURVES), strict=True):
                 cells = ["" if np.isnan(v) else str(v) for v in values]  # float32 as printed
                 writer.writerow([*(point[name] for name in swept), agent % num_seeds, *cells])
-    with atomic_open(output / "params.msgpack", "wb") as file:
+    with atomic_open(output / "params.msgpack", "wb", together=written) as file:
         file.write(flax.serialization.to_bytes(out["params"]))
+    rename_all(written)
 
 
 def save_checkpoint(output: Path, run: dict, done: int, carry, metrics) -> None:

@@ -748,21 +748,33 @@ SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "S
 
 
 @contextlib.contextmanager
-def atomic_open(path: Path, mode: str = "w"):
-    """Write to a temporary name beside path, then rename: no reader sees half a file. A write
-    that fails (a full disk, say) ends the script with one line."""
+def atomic_open(path: Path, mode: str = "w", together: list | None = None):
+    """Write to a temporary name beside path, then rename: no reader sees half a file. Given
+    `together`, the files written before, the rename waits for rename_all(together): files
+    written one after another appear all or none. A write that fails (a full disk, say) ends the
+    script with one line; no temporary file stays."""
+    pending = [] if together is None else together
     try:  # a new file: one at that name could be a link, and writing through it writes elsewhere
         temporary(path).unlink(missing_ok=True)
         with open(temporary(path), mode.replace("w", "x")) as file:
             yield file
-        os.replace(temporary(path), path)
+        pending.append(path)
+        if together is None:
+            rename_all(pending)
     except BaseException as error:  # an error, Ctrl-C: no temporary file left behind
-        temporary(path).unlink(missing_ok=True)
+        for written in {path, *pending}:
+            temporary(written).unlink(missing_ok=True)
         if isinstance(error, OSError):
             reason = error.strerror or error  # no file name: the temporary one
             remove_if_empty(path.parent)  # the run's folder, if this was to be its first file
             fail(f"cannot write {path} ({reason})", status=1)
         raise
+
+
+def rename_all(paths: list[Path]) -> None:
+    """Each file written under its temporary name (atomic_open's `together`) to its own."""
+    for path in paths:
+        os.replace(temporary(path), path)
 
 
 def temporary(path: Path) -> Path:
@@ -813,8 +825,10 @@ def save_run(
     output: Path, summary: dict, config: Config, schedule: Schedule, result: TrainResult
 ) -> None:
     """RUN_FILES: the summary; curves.csv, one row per grid point x seed x curve point; the
-    final Q-tables [grid, seeds, rows, cols, actions]. The figures are drawn from these."""
-    with atomic_open(output / "summary.json") as file:
+    final Q-tables [grid, seeds, rows, cols, actions]. The figures are drawn from these. All
+    three or none: a full disk half way left a summary without its Q-tables."""
+    written = []  # renamed together once all are written
+    with atomic_open(output / "summary.json", together=written) as file:
         json.dump(summary, file, indent=2, allow_nan=False)  # strict JSON: no NaN in it
     grid = np.array(grid_points(config))  # [grid, learning_rate epsilon gamma]
     seeds = np.arange(config.num_seeds)[:, None]
@@ -824,13 +838,14 @@ def save_run(
     # [grid * seeds, points] each, written an agent at a time: Python floats for all of them at
     # once took ~40x numpy's memory.
     arrays = [x.reshape(-1, x.shape[-1]) for x in np.broadcast_arrays(*columns.values())]
-    with atomic_open(output / "curves.csv") as file:
+    with atomic_open(output / "curves.csv", together=written) as file:
         writer = csv.writer(file, lineterminator="\n")
         writer.writerow(columns)
         for agent in range(len(arrays[0])):
             writer.writerows(zip(*(x[agent].tolist() for x in arrays), strict=True))
-    with atomic_open(output / "q_tables.npy", "wb") as file:
+    with atomic_open(output / "q_tables.npy", "wb", together=written) as file:
         np.save(file, np.asarray(result.q_table, np.float32))
+    rename_all(written)
 
 
 def describe(error: Exception) -> str:

@@ -620,21 +620,33 @@ def expected_episode_length(env: GridWorld, epsilon: float, gamma: float) -> flo
 
 
 @contextlib.contextmanager
-def atomic_open(path: Path, mode: str = "w"):
-    """Write to a temporary name beside path, then rename: no reader sees half a file. A write
-    that fails (a full disk, say) ends the script with one line."""
+def atomic_open(path: Path, mode: str = "w", together: list | None = None):
+    """Write to a temporary name beside path, then rename: no reader sees half a file. Given
+    `together`, the files written before, the rename waits for rename_all(together): files
+    written one after another appear all or none. A write that fails (a full disk, say) ends the
+    script with one line; no temporary file stays."""
+    pending = [] if together is None else together
     try:  # a new file: one at that name could be a link, and writing through it writes elsewhere
         temporary(path).unlink(missing_ok=True)
         with open(temporary(path), mode.replace("w", "x")) as file:
             yield file
-        os.replace(temporary(path), path)
+        pending.append(path)
+        if together is None:
+            rename_all(pending)
     except BaseException as error:  # an error, Ctrl-C: no temporary file left behind
-        temporary(path).unlink(missing_ok=True)
+        for written in {path, *pending}:
+            temporary(written).unlink(missing_ok=True)
         if isinstance(error, OSError):
             reason = error.strerror or error  # no file name: the temporary one
             remove_if_empty(path.parent)  # the run's folder, if this was to be its first file
             fail(f"cannot write {path} ({reason})", status=1)
         raise
+
+
+def rename_all(paths: list[Path]) -> None:
+    """Each file written under its temporary name (atomic_open's `together`) to its own."""
+    for path in paths:
+        os.replace(temporary(path), path)
 
 
 def temporary(path: Path) -> Path:
@@ -675,11 +687,11 @@ def catchable() -> list[int]:
     return [signum for signum in SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
-def write_csv(path: Path, columns: dict) -> None:
+def write_csv(path: Path, columns: dict, together: list | None = None) -> None:
     """Tidy CSV: the columns, broadcast to one shape ([seeds, points]), one row per element,
     written a seed at a time (Python floats for all of them at once took ~40x numpy's memory)."""
     arrays = np.broadcast_arrays(*columns.values())
-    with atomic_open(path) as file:
+    with atomic_open(path, together=together) as file:
         writer = csv.writer(file, lineterminator="\n")
         writer.writerow(columns)
         for seed in range(arrays[0].shape[0]):
@@ -728,19 +740,22 @@ SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "S
 
 def save_run(output_dir: Path, summary: dict, out: dict) -> None:
     """RUN_FILES: the summary, the curves and first episode lengths (0: not ended) per seed,
-    and the final Q-tables [seeds, rows, cols, 4]: all that the figure is drawn from."""
+    and the final Q-tables [seeds, rows, cols, 4]: all that the figure is drawn from. All four
+    or none: a full disk half way left a summary without its Q-tables."""
     metrics, seed = out["metrics"], np.arange(len(out["q_values"]))[:, None]
-    with atomic_open(output_dir / "summary.json") as file:
+    written = []  # renamed together once all are written
+    with atomic_open(output_dir / "summary.json", together=written) as file:
         json.dump(summary, file, indent=2, allow_nan=False)  # strict JSON: no NaN in it
-    curve = {"episodes": metrics["episodes"]}  # the means of a stretch where none ended: NaN
-    for name in ("mean_episode_length", "mean_return"):
+    curve = {"seed": seed, "step": metrics["timestep"], "episodes": metrics["episodes"]}
+    for name in ("mean_episode_length", "mean_return"):  # a stretch where none ended: NaN
         curve[name] = np.where(metrics["episodes"] > 0, metrics[name], np.nan)
-    write_csv(output_dir / "curves.csv", {"seed": seed, "step": metrics["timestep"], **curve})
+    write_csv(output_dir / "curves.csv", curve, written)
     episode = np.arange(1, metrics["episode_length"].shape[1] + 1)
     lengths = {"seed": seed, "episode": episode, "length": metrics["episode_length"]}
-    write_csv(output_dir / "first_episodes.csv", lengths)
-    with atomic_open(output_dir / "q_tables.npy", "wb") as file:
+    write_csv(output_dir / "first_episodes.csv", lengths, written)
+    with atomic_open(output_dir / "q_tables.npy", "wb", together=written) as file:
         np.save(file, np.asarray(out["q_values"], np.float32))
+    rename_all(written)
 
 
 def saved_config(saved: dict) -> Config:

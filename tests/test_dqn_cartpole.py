@@ -3,6 +3,7 @@ vmap == single key, learning, command line. Tiny configs; compiled functions are
 shared through module-scoped fixtures to keep the file fast."""
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import fcntl
@@ -1505,6 +1506,26 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
     dqn.main(["--load", str(stopped), "--eval-episodes", "1"])  # it said "final", and its
     loaded = json.loads((stopped / "load_summary.json").read_text())  # summary not which step
     assert loaded["steps_done"] == summary["steps_done"] and after in capsys.readouterr().out
+    full = shutil.copytree(stopped, tmp_path / "full disk", ignore=lambda *_: ["load_summary.json"])
+    before = {name: (full / name).read_bytes() for name in dqn.RUN_FILES}
+    opened = dqn.atomic_open
+
+    @contextlib.contextmanager
+    def full_disk(path, *args, **kwargs):  # as the resumed run writes its params
+        with opened(path, *args, **kwargs) as file:
+            if path.name == "params.msgpack":
+                raise OSError(28, "No space left on device")
+            yield file
+
+    with monkeypatch.context() as patch, pytest.raises(SystemExit) as exit_info:
+        patch.setattr(dqn, "atomic_open", full_disk)
+        dqn.main(["--resume", str(full)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 1 and "params.msgpack (No space left" in err[-1], err
+    # It left the new summary and curves beside the stop's params (--load scored them as the
+    # whole run's); now the stop's three files, as they were, and its checkpoint to go on from
+    assert {name: (full / name).read_bytes() for name in dqn.RUN_FILES} == before
+    assert (full / dqn.CHECKPOINT).exists() and not list(full.glob(".*"))
     for name in ("load_summary.json", "render.gif"):  # as --load of the stopped run writes
         (stopped / name).write_text("{}")
     dqn.main(["--resume", str(stopped)])

@@ -2,6 +2,7 @@
 (made atomically, locked while a run writes), writes that a signal does not cut, and one line
 for a JAX platform the machine lacks."""
 
+import contextlib
 import dataclasses
 import fcntl
 import importlib.util
@@ -206,6 +207,32 @@ def test_a_write_that_fails_is_one_line_and_leaves_no_temporary_file(script, tmp
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert not run.exists()
+
+
+def test_a_run_whose_last_file_cannot_be_written_leaves_none_of_its_files(
+    script, tmp_path, monkeypatch, capsys
+):
+    """A full disk as a run writes its last file: the files before it stayed, a summary without
+    its params or Q-tables, which --load, --replot and --resume each refused as another kind of
+    folder (found by an adversarial pass). Now a run's files appear all or none: one line, exit
+    1, and the folders made for it go."""
+    last, opened = script.RUN_FILES[-1], script.atomic_open
+
+    @contextlib.contextmanager
+    def full_disk(path, *args, **kwargs):
+        with opened(path, *args, **kwargs) as file:
+            if path.name == last:
+                raise OSError(28, "No space left on device")
+            yield file
+
+    monkeypatch.setattr(script, "atomic_open", full_disk)
+    output = tmp_path / "made" / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        script.main([*shlex.split(SHORT_RUNS[script]), "--output-dir", str(output)])
+    err = capsys.readouterr().err.strip().splitlines()  # the DQN's progress lines, then its own
+    line = f"{script.__name__}.py: error: cannot write {output / last} (No space left on device)"
+    assert exit_info.value.code == 1 and err[-1] == line, err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_sigterm_and_sighup_at_once_stop_the_script_once(script, monkeypatch):
