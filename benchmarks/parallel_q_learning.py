@@ -175,7 +175,7 @@ def plot(bench: dict, path: Path) -> None:
 def write_whole(writes: dict[Path, Callable[[Path], None]]) -> None:
     """Each write(a temporary path), then all renamed to their paths: a stop or a crash leaves
     the files of a previous run or the new ones, never half of one, nor a new benchmark.json
-    beside an old benchmark.png."""
+    beside an old benchmark.png. One that fails (a full disk) is one line naming the file."""
     # The suffix last: it tells the format.
     temporaries = {path: path.with_name(f".{path.stem}.tmp{path.suffix}") for path in writes}
     try:
@@ -184,6 +184,8 @@ def write_whole(writes: dict[Path, Callable[[Path], None]]) -> None:
         with cli.held():  # all renamed, or none
             for path, temporary in temporaries.items():
                 os.replace(temporary, path)
+    except OSError as error:  # it was a traceback of 51 lines, after all the measurements
+        cli.fail(f"cannot write {path} ({error.strerror or error})", status=1)
     finally:
         for temporary in temporaries.values():
             temporary.unlink(missing_ok=True)

@@ -929,9 +929,10 @@ def test_benchmark_runs_at_a_tiny_size(tmp_path):
     assert sorted(path.name for path in output.iterdir()) == ["benchmark.json", "benchmark.png"]
 
 
-def test_benchmark_files_are_written_whole(tmp_path):
+def test_benchmark_files_are_written_whole(tmp_path, capsys):
     """A write cut short (a Ctrl-C, a full disk) leaves the previous run's files as they were,
-    both of them, and no temporary file; writes that end replace both."""
+    both of them, and no temporary file; writes that end replace both. A full disk is one line
+    naming the file, exit 1 (it was a traceback)."""
     write_whole = load_benchmark().write_whole
     paths = [tmp_path / "benchmark.json", tmp_path / "benchmark.png"]
     for path in paths:
@@ -944,8 +945,19 @@ def test_benchmark_files_are_written_whole(tmp_path):
     def this_run(temporary):
         temporary.write_text("this run")
 
+    def full_disk(temporary):
+        temporary.write_text("half of")
+        raise OSError(28, "No space left on device")
+
     with pytest.raises(KeyboardInterrupt):  # the figure's write stops: the json stays old too
         write_whole({paths[0]: this_run, paths[1]: cut_short})
+    assert sorted(tmp_path.iterdir()) == paths
+    assert [path.read_text() for path in paths] == ["the previous run"] * 2
+    with pytest.raises(SystemExit) as exit_info:
+        write_whole({paths[0]: this_run, paths[1]: full_disk})
+    err = capsys.readouterr().err.splitlines()  # prefixed by the command's name, pytest's here
+    line = f": error: cannot write {paths[1]} (No space left on device)"
+    assert exit_info.value.code == 1 and len(err) == 1 and err[0].endswith(line), err
     assert sorted(tmp_path.iterdir()) == paths
     assert [path.read_text() for path in paths] == ["the previous run"] * 2
     write_whole(dict.fromkeys(paths, this_run))
