@@ -1250,6 +1250,7 @@ def replacing(folder: Path):
             path.unlink(missing_ok=True)  # the new run's
             if set_aside(path).exists():
                 os.replace(set_aside(path), path)
+        remove_if_empty(folder)  # made for this run, which wrote its files, then failed
         if isinstance(error, OSError) and not started:  # it was a traceback
             reason, stuck = error.strerror or error, error.filename or stuck  # as the OS names it
             fail(f"--overwrite: cannot set {stuck} aside ({reason}); the run there stays as it "

@@ -215,7 +215,7 @@ def test_a_run_whose_last_file_cannot_be_written_leaves_none_of_its_files(
     """A full disk as a run writes its last file: the files before it stayed, a summary without
     its params or Q-tables, which --load, --replot and --resume each refused as another kind of
     folder (found by an adversarial pass). Now a run's files appear all or none: one line, exit
-    1, and the folders made for it go."""
+    1, and the folders made for it go; also where a tabular run's figure fails."""
     last, opened = script.RUN_FILES[-1], script.atomic_open
 
     @contextlib.contextmanager
@@ -233,6 +233,11 @@ def test_a_run_whose_last_file_cannot_be_written_leaves_none_of_its_files(
     line = f"{script.__name__}.py: error: cannot write {output / last} (No space left on device)"
     assert exit_info.value.code == 1 and err[-1] == line, err
     assert list(tmp_path.iterdir()) == []
+    if script is not dqn_cartpole:  # a tabular run and its figure are written whole, or neither:
+        last = script.RUN_NAMES[-1]  # its files went, and left the folder made for it, empty
+        with pytest.raises(SystemExit) as exit_info:
+            script.main([*shlex.split(SHORT_RUNS[script]), "--output-dir", str(output)])
+        assert exit_info.value.code == 1 and list(tmp_path.iterdir()) == []
 
 
 def test_sigterm_and_sighup_at_once_stop_the_script_once(script, monkeypatch):
