@@ -2138,10 +2138,10 @@ def main(argv: list[str] | None = None) -> None:
         if not args.load:
             plot_run(output)
             # --load of a stopped run writes these for its params, which --resume replaces
-            for stale in LOAD_NAMES:
-                (output / stale).unlink(missing_ok=True)
+            stale = [output / name for name in LOAD_NAMES]
             if not stopped:  # a finished run needs no checkpoint
-                (output / CHECKPOINT).unlink(missing_ok=True)
+                stale.append(output / CHECKPOINT)
+            remove_stale(stale)
         if args.render:
             render_median(config, env, network, params, returns, output / "render.gif")
         name = "load_summary.json" if args.load else "summary.json"
@@ -2175,6 +2175,18 @@ def stopped_unfinished(signum: int) -> str:
     if kept:
         unfinished += f"; its last checkpoint stays, {resume_hint(kept[0])}"
     return f"dqn_cartpole.py: stopped by {SIGNALS[signum]}, {unfinished}"
+
+
+def remove_stale(paths: list[Path]) -> None:
+    """Files that are not the saved run's beside it: one that cannot be removed (immutable, say)
+    is one line, exit 1 (it was a traceback), as the run is saved but the file would belie it (a
+    checkpoint left: --resume would train the end again)."""
+    for path in paths:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as error:
+            reason = error.strerror or error
+            fail(f"cannot remove {path} ({reason}): the run is saved, not that file of before", 1)
 
 
 def stop_hint(output: Path, steps_done: int) -> str:

@@ -1871,6 +1871,25 @@ def test_a_checkpoint_on_the_way_that_cannot_be_written_does_not_end_the_run(
     assert json.loads((folder / "summary.json").read_text())["steps_done"] == 500
 
 
+def test_a_checkpoint_that_cannot_be_removed_is_one_line(tmp_path, monkeypatch, capsys):
+    """A finished run removes its checkpoint; one that cannot go (immutable: chattr +i) was a
+    traceback once the run was saved (an adversarial pass). Now one line, exit 1, the run saved."""
+    unlink, output = Path.unlink, tmp_path / "run"
+
+    def immutable(path, missing_ok=False):
+        if path.name == dqn.CHECKPOINT:
+            raise PermissionError(1, "Operation not permitted", str(path))
+        return unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", immutable)
+    with pytest.raises(SystemExit) as exit_info:
+        dqn.main([*TINY_ARGS, "--checkpoint-every", "500", "--output-dir", str(output)])
+    err = capsys.readouterr().err.strip().splitlines()
+    line = f"cannot remove {output / dqn.CHECKPOINT} (Operation not permitted): the run is saved"
+    assert exit_info.value.code == 1 and err[-1].startswith(f"dqn_cartpole.py: error: {line}"), err
+    assert all((output / name).exists() for name in dqn.RUN_FILES)
+
+
 def test_a_stop_whose_checkpoint_fails_names_the_older_one_it_leaves(tmp_path, monkeypatch, capsys):
     """A stop at 1,500 steps whose checkpoint cannot be written saves the run so far beside the
     last checkpoint written, at 500: its line said "to go on" as if that checkpoint were this
