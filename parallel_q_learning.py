@@ -894,6 +894,7 @@ def plot_run(output: Path) -> None:
         if points != [tuple(point) for point in grid_points(config)]:  # the heatmap's order
             raise ValueError("its grid is not its config's gammas x learning rates x epsilons")
         shape = (len(points), config.num_seeds, -1)  # curves.csv's [grid, seeds, points]
+    env = make_env(config.layout)
     # Parsed by numpy (a dict per row took ~750 bytes); no rows: our line, not numpy's warning.
     path = output / "curves.csv"
     with reading(path), open(path) as file, warnings.catch_warnings(action="ignore"):
@@ -914,9 +915,9 @@ def plot_run(output: Path) -> None:
             (curves[name] != value).any() for name, value in rows.items()
         ):
             raise ValueError("its rows are not the summary's grid x seeds, each at its steps")
-        if not np.isfinite(curves["greedy_path_length"]).all():  # the figure's log scale
-            raise ValueError("its greedy_path_length holds a value that is not finite")
-    env = make_env(config.layout)
+        lengths = curves["greedy_path_length"]  # steps, or num_cells: S never reaches G
+        if not ((lengths >= 0) & (lengths <= env.num_cells)).all():  # NaN too; 1e308 overflowed
+            raise ValueError(f"its greedy_path_length holds a value outside 0 to {env.num_cells}")
     with reading(output / "q_tables.npy") as path:  # its header: the figures draw no table
         tables = np.lib.format.open_memmap(path, mode="r")
         expected = (len(points), config.num_seeds, env.rows, env.cols, NUM_ACTIONS)
@@ -926,14 +927,16 @@ def plot_run(output: Path) -> None:
             )
     with reading(output / "summary.json"):  # the figures read the rest of it
         heatmap, learning = plot_heatmap(summary), plot_curves(summary, curves, env.num_cells)
-    save_figure(heatmap, output / "sweep_heatmap.png")
-    save_figure(learning, output / "learning_curves.png")
+    written = []  # both figures or neither (one that failed left the other redrawn)
+    save_figure(heatmap, output / "sweep_heatmap.png", written)
+    save_figure(learning, output / "learning_curves.png", written)
+    rename_all(written)
 
 
-def save_figure(fig, path: Path) -> None:
+def save_figure(fig, path: Path, together: list | None = None) -> None:
     import matplotlib.pyplot as plt
 
-    with atomic_open(path, "wb") as file:
+    with atomic_open(path, "wb", together=together) as file:
         fig.savefig(file, format="png", dpi=120)
     plt.close(fig)
 

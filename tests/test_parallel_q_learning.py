@@ -627,7 +627,7 @@ def test_one_seed_heatmap_shows_its_values_not_an_interval_of_nans(tmp_path, mon
     assert figures[0].get_suptitle().endswith("cells: the seed's value")
 
 
-def test_cli_happy_path(tmp_path):
+def test_cli_happy_path(tmp_path, monkeypatch):
     output = tmp_path / "run"
     argv = [
         sys.executable, str(SCRIPT), "--output-dir", str(output), "--num-seeds", "3",
@@ -693,6 +693,7 @@ def test_cli_happy_path(tmp_path):
     not_its = "summary.json: its grid is not its config's gammas x learning rates x epsilons"
     column = rows[0].split(",").index("greedy_path_length")  # inf: matplotlib's error, no file
     inf = ",".join("inf" if i == column else v for i, v in enumerate(rows[1].split(",")))
+    huge = inf.replace("inf", "1e308")  # finite: numpy's overflow warnings, then matplotlib's
     step = rows[0].split(",").index("step")  # every step 0: matplotlib's two-line warning
     zero = [",".join("0" if i == step else v for i, v in enumerate(r.split(","))) for r in rows[1:]]
     for name, edit, why in (
@@ -702,6 +703,7 @@ def test_cli_happy_path(tmp_path):
         ("summary.json", {"config": {**config, "num_seeds": 2.5}}, "summary.json: num_seeds 2.5"),
         ("curves.csv", [rows[0], *(row + ",7" for row in rows[1:])], "curves.csv: its header "),
         ("curves.csv", [rows[0], inf, *rows[2:]], "curves.csv: its greedy_path_length holds"),
+        ("curves.csv", [rows[0], huge, *rows[2:]], "curves.csv: its greedy_path_length holds"),
         ("curves.csv", [rows[0], *zero], "curves.csv: its rows are not"),
     ):  # fmt: skip
         damaged = json.dumps({**summary, **edit}) if name == "summary.json" else "\n".join(edit)
@@ -709,6 +711,20 @@ def test_cli_happy_path(tmp_path):
         with pytest.raises(ValueError, match=f"^{re.escape(why)}"):
             pq.plot_run(output)
         (output / name).write_text(whole[name])
+    # A figure that cannot be drawn: the other one was redrawn already, and the two disagreed
+    figures = {name: b"drawn before" for name in pq.RUN_NAMES if name.endswith(".png")}
+    for name, old in figures.items():
+        (output / name).write_bytes(old)
+
+    class Undrawable:
+        def savefig(self, *args, **kwargs):
+            raise ValueError("the test's own")
+
+    with monkeypatch.context() as patch, pytest.raises(ValueError, match="the test's own"):
+        patch.setattr(pq, "plot_curves", lambda *args: Undrawable())
+        pq.plot_run(output)
+    assert {name: (output / name).read_bytes() for name in figures} == figures
+    assert len(figures) == 2 and not list(output.glob(".*"))
     # Q-tables that are not the run's: required, and never read (their header is read now)
     tables = np.load(output / "q_tables.npy")
     for damaged, why in (tables.astype(complex), "complex128"), (tables[:1], "float32 (1, 3"):
