@@ -1183,9 +1183,13 @@ def read_curves(path: Path, shape: tuple[int, int, int]) -> dict[str, np.ndarray
     """curves.csv as arrays `shape` [grid points, seeds, evaluations] (NaN for an empty cell):
     its rows the summary's grid points x seeds in order, each at the same evaluations."""
     num_seeds = shape[1]
-    with reading(path), open(path) as file:  # blank lines skipped, as csv.DictReader does
+    # utf-8-sig: a byte-order mark (a spreadsheet's save) is no part of the first column's name;
+    # blank lines are skipped, as csv.DictReader does
+    with reading(path), open(path, encoding="utf-8-sig") as file:
         numbered = [(number, line) for number, line in enumerate(csv.reader(file), 1) if line]
         header = numbered[0][1] if numbered else []
+        if twice := [name for name in header if header.count(name) > 1]:  # the last was drawn
+            raise ValueError(f"its header names {twice[0]!r} twice")
         for number, line in numbered[1:]:  # DictReader: None for a value short
             if len(line) != len(header):
                 raise ValueError(f"its line {number} has {len(line)} values, not {len(header)}")

@@ -897,13 +897,20 @@ def plot_run(output: Path) -> None:
     env = make_env(config.layout)
     # Parsed by numpy (a dict per row took ~750 bytes); no rows: our line, not numpy's warning.
     path = output / "curves.csv"
-    with reading(path), open(path) as file, warnings.catch_warnings(action="ignore"):
+    # utf-8-sig: a byte-order mark (a spreadsheet's save) is no part of the first column's name
+    with (
+        reading(path),
+        open(path, encoding="utf-8-sig") as file,
+        warnings.catch_warnings(action="ignore"),
+    ):
         names = file.readline().strip().split(",")
         values = np.loadtxt(file, delimiter=",", ndmin=2)
         if not values.size:
             raise ValueError("it holds no rows")
         if missing := [name for name in CURVE_COLUMNS if name not in names]:
             raise ValueError(f"it has no column {missing[0]!r}")
+        if twice := [name for name in names if names.count(name) > 1]:  # the last one was drawn
+            raise ValueError(f"its header names {twice[0]!r} twice")
         if len(names) != values.shape[1]:
             raise ValueError(f"its header names {len(names)} columns, its rows {values.shape[1]}")
         curves = {name: values[:, i].reshape(shape) for i, name in enumerate(names)}

@@ -717,7 +717,12 @@ def read_csv(path: Path, columns: tuple[str, ...], num_seeds: int) -> dict:
     """write_csv's file -> {column: float array [seeds, points]}, parsed by numpy (a dict per row
     took ~600 bytes a row: a run the memory check let through ran out of it here). Its rows must
     be the summary's seeds in order, each at the same points (its second column)."""
-    with reading(path), open(path) as file, warnings.catch_warnings(action="ignore"):
+    # utf-8-sig: a byte-order mark (a spreadsheet's save) is no part of the first column's name
+    with (
+        reading(path),
+        open(path, encoding="utf-8-sig") as file,
+        warnings.catch_warnings(action="ignore"),
+    ):
         names = file.readline().strip().split(",")
         values = np.loadtxt(file, delimiter=",", ndmin=2)
         if not values.size:  # our line, not numpy's warning (ignored) and a reshape error

@@ -1574,6 +1574,11 @@ def test_curves_cut_short_are_refused_not_drawn(tmp_path):
     path, shape = tmp_path / "curves.csv", (1, 2, -1)  # one grid point, two seeds
     path.write_text("\n".join([*rows, ""]))  # a blank line: skipped, as csv.DictReader does
     assert dqn.read_curves(path, shape)["step"].shape == (1, 2, 2)
+    path.write_text("\ufeff" + "\n".join(rows))  # a spreadsheet's byte-order mark: "no seed"
+    assert dqn.read_curves(path, shape)["step"].shape == (1, 2, 2)
+    path.write_text("\n".join([rows[0].replace("loss", "eval_return"), *rows[1:]]))
+    with pytest.raises(ValueError, match="its header names 'eval_return' twice"):  # the loss
+        dqn.read_curves(path, shape)  # column was drawn as the returns
     path.write_text("\n".join([*rows[:4], "1,1000,30,12,0.4"]))  # mixed
     with pytest.raises(ValueError, match="the same evaluations for every seed"):
         dqn.read_curves(path, shape)

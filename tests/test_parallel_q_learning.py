@@ -694,6 +694,8 @@ def test_cli_happy_path(tmp_path, monkeypatch):
     column = rows[0].split(",").index("greedy_path_length")  # inf: matplotlib's error, no file
     inf = ",".join("inf" if i == column else v for i, v in enumerate(rows[1].split(",")))
     huge = inf.replace("inf", "1e308")  # finite: numpy's overflow warnings, then matplotlib's
+    twice = rows[0].replace("start_value", "greedy_path_length")  # its values drawn as lengths
+    assert twice.count("greedy_path_length") == 2
     step = rows[0].split(",").index("step")  # every step 0: matplotlib's two-line warning
     zero = [",".join("0" if i == step else v for i, v in enumerate(r.split(","))) for r in rows[1:]]
     for name, edit, why in (
@@ -704,6 +706,7 @@ def test_cli_happy_path(tmp_path, monkeypatch):
         ("curves.csv", [rows[0], *(row + ",7" for row in rows[1:])], "curves.csv: its header "),
         ("curves.csv", [rows[0], inf, *rows[2:]], "curves.csv: its greedy_path_length holds"),
         ("curves.csv", [rows[0], huge, *rows[2:]], "curves.csv: its greedy_path_length holds"),
+        ("curves.csv", [twice, *rows[1:]], "curves.csv: its header names 'greedy_path_length' t"),
         ("curves.csv", [rows[0], *zero], "curves.csv: its rows are not"),
     ):  # fmt: skip
         damaged = json.dumps({**summary, **edit}) if name == "summary.json" else "\n".join(edit)
@@ -711,6 +714,9 @@ def test_cli_happy_path(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=f"^{re.escape(why)}"):
             pq.plot_run(output)
         (output / name).write_text(whole[name])
+    (output / "curves.csv").write_text("\ufeff" + whole["curves.csv"])  # a byte-order mark
+    pq.plot_run(output)  # (a spreadsheet's save): not part of the first column's name
+    (output / "curves.csv").write_text(whole["curves.csv"])
     # A figure that cannot be drawn: the other one was redrawn already, and the two disagreed
     figures = {name: b"drawn before" for name in pq.RUN_NAMES if name.endswith(".png")}
     for name, old in figures.items():

@@ -775,6 +775,9 @@ def test_curves_csv_and_q_tables_round_trip(saved_run):
         np.testing.assert_array_equal(curves[name], out["metrics"][name])
     first = qlg.read_csv(output_dir / "first_episodes.csv", ("seed", "episode", "length"), 2)
     np.testing.assert_array_equal(first["length"], out["metrics"]["episode_length"])
+    marked = output_dir.parent / "marked.csv"  # a spreadsheet's byte-order mark first: it was
+    marked.write_text("\ufeff" + (output_dir / "curves.csv").read_text())  # "its columns are not"
+    np.testing.assert_array_equal(qlg.read_csv(marked, columns, 2)["step"], curves["step"])
     q_tables = np.load(output_dir / "q_tables.npy")
     assert q_tables.dtype == np.float32 and q_tables.shape == (2, 8, 12, 4)
     np.testing.assert_array_equal(q_tables, out["q_values"])
