@@ -1634,20 +1634,19 @@ def watch(argv: list[str]) -> int:
     """Processes other than 0 of a cluster do their work in a child process and watch it: JAX
     ends a process whose coordinator, process 0, has died with an abort and a C++ stack trace,
     which this turns into one line. The child's stderr (it reports errors only) waits for its
-    end; SIGTERM is passed on, and Ctrl-C or a closed terminal's SIGHUP reaches it as it
-    reaches us."""
+    end. The child has a session of its own, and each Ctrl-C, SIGTERM or SIGHUP reaches it
+    passed on from here, once, whether sent to the terminal's process group or to this pid
+    alone (a Ctrl-C or SIGHUP sent to this pid alone was ignored, and the run went on)."""
     child = subprocess.Popen(
         [sys.executable, __file__, *argv],
         env={**os.environ, "PARALLEL_Q_LEARNING_WATCHED": "1"},
         stderr=subprocess.PIPE,
         preexec_fn=die_with_parent,
+        start_new_session=True,
     )
-    for signum in signal.sigpending() & {signal.SIGINT, signal.SIGHUP}:  # came as JAX loaded,
-        child.send_signal(signum)  # before the child was there: SIG_IGN below would drop them
-    for signum in (signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # a SIGTERM that came as JAX loaded
+    for signum in catchable():  # nohup's SIGHUP stays ignored, here and in the child
+        signal.signal(signum, lambda signum, frame: child.send_signal(signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # one that came as JAX loaded: passed on
     errors = child.communicate()[1]
     if child.returncode == -signal.SIGABRT:
         fail("process 0 of the cluster stopped; so does this one", 1)

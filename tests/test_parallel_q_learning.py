@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -813,6 +814,33 @@ def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
     for name in ("q_tables.npy", "curves.csv"):
         single = (tmp_path / "single" / name).read_bytes()
         assert (tmp_path / "process0" / name).read_bytes() == single, name
+
+
+def watching(pid: int) -> bool:
+    """Whether watcher `pid` has its child, and has unblocked Ctrl-C (Linux: /proc/PID/status's
+    SigBlk): past where it passes on a signal that came as it started the child."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    blocked = int(next(line.split()[1] for line in status if line.startswith("SigBlk:")), 16)
+    child = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return bool(child) and not blocked & (1 << (signal.SIGINT - 1))
+
+
+def test_ctrl_c_to_process_1s_pid_alone_reaches_its_child(tmp_path):
+    """`kill -INT` (or `kill -HUP`) to process 1's pid alone, not to its terminal's process
+    group: its watcher ignored it (a terminal's would reach the child too), and the run went on,
+    here waiting for a process 0 that never comes until --cluster-timeout, exit 2 (found by an
+    adversarial pass). Now the child has a session of its own, and the watcher passes on every
+    signal: one line, exit 130. (The DQN's test sends it to process 1 as a cluster trains.)"""
+    cluster = ["--coordinator-address", "127.0.0.1:9", "--num-processes", "2", "--process-id", "1"]
+    argv = [sys.executable, str(SCRIPT), *cluster, "--cluster-timeout", "60"]
+    pipe = subprocess.PIPE
+    process = subprocess.Popen([*argv, "--output-dir", str(tmp_path / "run")], stderr=pipe)
+    while process.poll() is None and not watching(process.pid):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    err = process.communicate(timeout=60)[1].decode().strip().splitlines()
+    assert process.returncode == 130 and len(err) == 1 and "stopped by Ctrl-C" in err[0], err
+    assert not (tmp_path / "run").exists()
 
 
 def test_two_process_benchmark_runs_at_a_tiny_size():
