@@ -2190,7 +2190,7 @@ def remove_stale(paths: list[Path]) -> None:
             path.unlink(missing_ok=True)
         except OSError as error:
             reason = error.strerror or error
-            fail(f"cannot remove {path} ({reason}): the run is saved, not that file of before", 1)
+            fail(f"cannot remove {path} ({reason}): the run is saved; that file is from before", 1)
 
 
 def stop_hint(output: Path, steps_done: int) -> str:
