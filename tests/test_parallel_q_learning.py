@@ -576,7 +576,7 @@ def test_a_large_grid_draws_readable_figures(tmp_path, monkeypatch):
     texts = []
     monkeypatch.setattr(matplotlib.axes.Axes, "text", lambda *args, **kwargs: texts.append(1))
     figures, save = [], pq.save_figure  # drawn and written, and kept for a look
-    monkeypatch.setattr(pq, "save_figure", lambda fig, path: (save(fig, path), figures.append(fig)))
+    monkeypatch.setattr(pq, "save_figure", lambda fig, *to: (save(fig, *to), figures.append(fig)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pq.plot_run(tmp_path)
@@ -597,7 +597,7 @@ def test_many_gammas_draw_a_few_panels_spread_over_them(tmp_path, monkeypatch):
     pq.main([*argv, "--output-dir", str(tmp_path)])
     monkeypatch.setattr(pq, "MOST_PANELS", 3)
     figures, save = [], pq.save_figure
-    monkeypatch.setattr(pq, "save_figure", lambda fig, path: (save(fig, path), figures.append(fig)))
+    monkeypatch.setattr(pq, "save_figure", lambda fig, *to: (save(fig, *to), figures.append(fig)))
     pq.plot_run(tmp_path)
     for figure in figures:
         titles = [ax.get_title() for ax in figure.axes if ax.get_title()]
@@ -621,7 +621,7 @@ def test_one_seed_heatmap_shows_its_values_not_an_interval_of_nans(tmp_path, mon
     """One seed has no 95% CI: each cell shows the seed's value (it showed '[nan, nan]')."""
     pq.main(["--num-seeds", "1", "--total-timesteps", "1000", "--output-dir", str(tmp_path)])
     figures = []
-    monkeypatch.setattr(pq, "save_figure", lambda fig, path: figures.append(fig))
+    monkeypatch.setattr(pq, "save_figure", lambda fig, *to: figures.append(fig))
     pq.plot_run(tmp_path)
     texts = [text.get_text() for text in figures[0].axes[0].texts]
     assert len(texts) == 9 and all(re.fullmatch(r"[01]\.[0-9]{2}", text) for text in texts), texts
@@ -884,8 +884,8 @@ def test_a_signal_during_replot_waits_until_both_figures_are_redrawn(tmp_path, c
         (run / name).unlink()
     save_figure = pq.save_figure
 
-    def then_a_signal(fig, path):
-        save_figure(fig, path)
+    def then_a_signal(fig, path, together):
+        save_figure(fig, path, together)
         os.kill(os.getpid(), signal.SIGTERM)  # after the first figure, before the second
 
     monkeypatch.setattr(pq, "save_figure", then_a_signal)
