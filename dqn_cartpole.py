@@ -1660,7 +1660,9 @@ def plural(n: int, word: str) -> str:
 class StopRequest:
     """While training, Ctrl-C, SIGTERM or SIGHUP (a closed terminal) asks to stop: the block in
     progress ends, the run so far is saved with a checkpoint, and the script exits 128 + the
-    signal (130, 143, 129); a second Ctrl-C stops at once."""
+    signal (130, 143, 129); a second Ctrl-C stops at once, but in a process that its watcher
+    runs (other than 0 of a cluster): a scheduler that signals every process of a job (Slurm's
+    srun on a Ctrl-C) reaches it twice, directly and passed on, and that is one request."""
 
     def __enter__(self):
         self.signum = None
@@ -1672,15 +1674,16 @@ class StopRequest:
             signal.signal(signum, handler)
 
     def ask(self, signum, frame):
+        watched = "DQN_CARTPOLE_WATCHED" in os.environ
         if self.signum is not None:
             # Ctrl-C again: at once, as outside training. SIGTERM or SIGHUP again is the same
-            # request (a process group's and a watcher's, a hang-up's two): the run is saved.
-            if signum == signal.SIGINT:
+            # request (a scheduler's and a watcher's, a hang-up's two): the run is saved.
+            if signum == signal.SIGINT and not watched:
                 raise KeyboardInterrupt
             return
         self.signum = signum
         then = "the run stops once the block in progress ends, and is saved"
-        if signum == signal.SIGINT:  # someone at the terminal, not a hang-up or a scheduler
+        if signum == signal.SIGINT and not watched:  # someone at the terminal, not a scheduler
             then += " (Ctrl-C again to stop at once, unsaved)"
         print(f"dqn_cartpole.py: {SIGNALS[signum]}: {then}", file=sys.stderr, flush=True)
 

@@ -1717,6 +1717,20 @@ def test_a_second_sigterm_or_sighup_asks_again_and_a_second_ctrl_c_stops_at_once
     assert "(Ctrl-C again to stop at once, unsaved)" in capsys.readouterr().err
 
 
+def test_a_watched_process_takes_ctrl_c_twice_as_one_request(monkeypatch, capsys):
+    """Process 1 of a cluster runs in a child of its watcher, which passes every signal on. A
+    scheduler that signals every process of a job (Slurm's srun on a Ctrl-C) reaches the child
+    directly too: two Ctrl-Cs at once, which stopped it at once, unsaved, and process 0 with it.
+    There they are one request: the run is saved."""
+    monkeypatch.setenv("DQN_CARTPOLE_WATCHED", "1")
+    with dqn.StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt
+        assert stop.signum == signal.SIGINT
+    err = capsys.readouterr().err.splitlines()  # no offer to press it again: none would tell
+    assert len(err) == 1 and "Ctrl-C: the run stops" in err[0] and "again" not in err[0], err
+
+
 def ctrl_c_twice(argv: list[str], cwd=None) -> tuple[int, list[str]]:
     """The script run with argv (in cwd), Ctrl-C as it starts training and again once it says
     it will stop after the block -> (exit code, lines printed)."""
