@@ -1108,10 +1108,19 @@ def saved_config(saved: dict) -> Config:
     return config
 
 
-def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int, bool]:
-    """(Config, grid points, solved return, (blocks done, carry leaves, metrics), checkpoint
-    cadence, whether it draws render.gif) of a run that saved a checkpoint; any problem is a
-    one-line ValueError."""
+class SavedCheckpoint(NamedTuple):
+    """What --resume reads of a stopped run's checkpoint."""
+
+    config: Config
+    points: list  # the grid points
+    solved_return: float | None  # None: the env's own
+    start: tuple  # (blocks done, carry leaves, metrics)
+    checkpoint_every: int
+    render: bool  # the run draws render.gif as it ends
+
+
+def load_checkpoint(folder: str) -> SavedCheckpoint:
+    """The checkpoint of a run that saved one; any problem is a one-line ValueError."""
     given = f"--resume {folder}"
     path, summary = Path(folder) / CHECKPOINT, Path(folder) / "summary.json"
     if not Path(folder).is_dir():
@@ -1176,7 +1185,7 @@ def load_checkpoint(folder: str) -> tuple[Config, list, float | None, tuple, int
     if x64 != jax.config.jax_enable_x64:  # float64 arrays where float32 ones are wanted, or back
         setting = "set" if x64 else "unset"
         raise ValueError(f"{given}: its run had JAX_ENABLE_X64 {setting}; so must this")
-    return config, run["points"], solved, (done, leaves, metrics), every, render
+    return SavedCheckpoint(config, run["points"], solved, (done, leaves, metrics), every, render)
 
 
 def read_curves(path: Path, shape: tuple[int, int, int]) -> dict[str, np.ndarray]:
@@ -1574,10 +1583,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_run(folder: str) -> tuple[Config, Any, list | None, float | None, int]:
-    """Saved config, params, grid points (None: one configuration), solved return (None: none)
-    and the steps its params were trained for (a stopped run's: fewer than its config's) of a
-    run folder; any problem is a one-line ValueError."""
+class SavedRun(NamedTuple):
+    """What --load reads of a run's folder."""
+
+    config: Config
+    params: Any
+    points: list | None  # the grid points; None: one configuration
+    solved_return: float | None  # None: none
+    steps_done: int  # the steps its params were trained for (a stopped run's: fewer)
+
+
+def load_run(folder: str) -> SavedRun:
+    """The saved run in a folder; any problem is a one-line ValueError."""
     given = f"--load {folder}"
     if not Path(folder).is_dir():
         raise ValueError(f"{given}: {'not a' if Path(folder).exists() else 'no such'} folder")
@@ -1598,7 +1615,7 @@ def load_run(folder: str) -> tuple[Config, Any, list | None, float | None, int]:
             params = flax.serialization.msgpack_restore(path.read_bytes())
     except ValueError as error:  # reading's, which names the file
         raise ValueError(f"{given}: cannot read its {error}") from None
-    return config, params, grid, solved, steps
+    return SavedRun(config, params, grid, solved, steps)
 
 
 def check_params(params, network: QNetwork, env, folder: str, agents: int) -> None:
@@ -1800,18 +1817,22 @@ def parse_command(argv: list[str] | None):
     if args.load and args.overwrite and args.output_dir is None:  # a flag that would do nothing
         raise ValueError("--overwrite: --load writes into the run's folder, and replaces nothing")
     if args.resume:  # the run's own threshold and checkpoint cadence too, unless given
-        config, points, args.solved_return, start, every, args.render = load_checkpoint(args.resume)
-        args.checkpoint_every = every if args.checkpoint_every is None else args.checkpoint_every
-        return args, config, points, None, start
+        saved = load_checkpoint(args.resume)
+        args.solved_return, args.render = saved.solved_return, saved.render
+        if args.checkpoint_every is None:
+            args.checkpoint_every = saved.checkpoint_every
+        return args, saved.config, saved.points, None, saved.start
     if args.load:  # load_summary.json: the run's config and steps, this command's evaluation
-        saved, params, points, solved, args.steps_done = load_run(args.load)
-        check_same_run(saved, given, args.load)
+        saved = load_run(args.load)
+        check_same_run(saved.config, given, args.load)
+        args.steps_done = saved.steps_done
         if args.solved_return is None:  # the run's own threshold, as --resume takes it
-            args.solved_return = solved
+            args.solved_return = saved.solved_return
         fresh = {"seed": Config().seed, "eval_episodes": Config().eval_episodes}  # unless given
         fresh |= {name: given[name] for name in evaluating if name in given}
-        config = dataclasses.replace(saved, **fresh)
-        return args, config, points or [saved.hparams()._asdict()], params, None
+        config = dataclasses.replace(saved.config, **fresh)
+        points = saved.points or [saved.config.hparams()._asdict()]
+        return args, config, points, saved.params, None
     args.checkpoint_every = 25_000 if args.checkpoint_every is None else args.checkpoint_every
     lists = {
         name: given.pop(name, (value,)) for name, value in Config().hparams()._asdict().items()

@@ -2070,12 +2070,12 @@ def test_a_checkpoint_that_does_not_hold_together_is_one_line(tmp_path):
                  **{f"metrics_{name}": x for name, x in arrays.items()})  # fmt: skip
         return str(tmp_path)
 
-    assert dqn.load_checkpoint(checkpoint(solved_return=100.0))[2] == 100.0
-    assert dqn.load_checkpoint(checkpoint())[2] is None  # the env's own
+    assert dqn.load_checkpoint(checkpoint(solved_return=100.0)).solved_return == 100.0
+    assert dqn.load_checkpoint(checkpoint()).solved_return is None  # the env's own
     # A run trained with --render: --resume, which takes no --render, removed the stopped run's
     # render.gif and drew none as the run ended.
-    assert dqn.load_checkpoint(checkpoint(render=True))[5] is True
-    assert dqn.load_checkpoint(checkpoint())[5] is False  # an older checkpoint: not said
+    assert dqn.load_checkpoint(checkpoint(render=True)).render is True
+    assert dqn.load_checkpoint(checkpoint()).render is False  # an older checkpoint: not said
     edited = metrics() | {"step": metrics()["step"] * 3 // 5}  # saved with --eval-every 300
     # Each written as it is read (they shared one file, written all at once: each check read
     # the last).
