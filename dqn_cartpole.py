@@ -13,7 +13,8 @@ pure function from a key and HParams to params and metrics. Seed i trains on fol
     hparams = jax.tree.map(lambda v: jnp.full(512, v), Config().hparams())  # a sweep of gamma:
     out = jax.jit(jax.vmap(train))(keys, hparams._replace(gamma=jnp.linspace(0.99, 0.999, 512)))
 
-Above the appendix line: that reference, complete on its own. Below: running it sharded, reports.
+Not vanilla DQN (each saying why where it is made): Double DQN, Huber loss, LayerNorm, clipping,
+Polyak targets. Above the appendix line: the reference, complete. Below: running it at scale.
 """
 
 import dataclasses
@@ -61,16 +62,16 @@ class Config:
     layer_norm: bool = option(True, "LayerNorm after each hidden Dense: keeps Q from diverging")
     train_frequency: int = option(8, "environment steps per gradient update (4 for Acrobot)")
     learning_starts: int = option(1_000, "environment steps before the first update")
+    # In environment steps, as CleanRL: the defaults move the target twice an update, 0.19 in all.
     target_update_interval: int = option(4, "environment steps between target updates")
     tau: float = option(0.1, "target update weight: 1 copies the online net, <1 is Polyak")
-    # Tight on purpose: with 10 a few seeds' solved policies fell apart (measured: see README).
+    # Tight: with 10, some seeds' solved policies later fell apart (README).
     max_grad_norm: float = option(0.5, "clip gradients to this global norm")
     epsilon_start: float = option(1.0, "exploration rate at step 0")
     epsilon_end: float = option(0.05, "exploration rate after the linear decay")
     exploration_fraction: float = option(0.1, "share of total_timesteps the decay lasts")
     double_dqn: bool = option(True, "Double DQN target: online net picks, target net rates")
-    # Also how training's keys are cut (one split a block): another value draws other numbers.
-    eval_every: int = option(5_000, "environment steps between greedy evaluations")
+    eval_every: int = option(5_000, "environment steps between greedy evaluations and key splits")
     eval_episodes: int = option(10, "fresh episodes per greedy evaluation (epsilon 0)")
     env: str = option("cartpole", "cartpole (ours), gymnax (its CartPole-v1) or gymnax:<id>")
     output_dir: str = option("runs/dqn_{env}_{time}", "run folder; {time}: its start")
@@ -87,7 +88,6 @@ class Config:
         positive += ("train_frequency", "target_update_interval", "eval_every", "eval_episodes")
         checks = [(name, getattr(self, name) >= 1, "must be >= 1") for name in positive]
         widths_ok = len(self.hidden_sizes) > 0 and min(self.hidden_sizes) >= 1
-        # max(1, ...): no division by a bad value before that value's own check fails.
         few_evals = self.total_timesteps / max(1, self.eval_every) <= MAX_EVAL_POINTS
         checks += [
             ("hidden_sizes", widths_ok, "needs one or more widths >= 1, e.g. 64,64"),
@@ -134,7 +134,7 @@ class EnvParams:
     masspole: float = 0.1
     length: float = 0.5  # half the pole's length
     force_mag: float = 10.0
-    tau: float = 0.02  # seconds per step (Euler integration)
+    tau: float = 0.02  # seconds per Euler step (Gymnasium's name; not Config.tau)
     theta_threshold_radians: float = 12 * 2 * math.pi / 360
     x_threshold: float = 2.4
     max_steps_in_episode: int = 500  # the TimeLimit of CartPole-v1
@@ -190,9 +190,9 @@ class CartPole:
 # ---- Network -------------------------------------------------------------------------------
 @jax.custom_gradient
 def matmul(x: jax.Array, kernel: jax.Array):
-    """x @ kernel in full float32, not TF32 (a GPU's default; it solved fewer seeds). Its backward
-    takes x^T dy from a copy of x^T that the barrier keeps XLA from folding back: faster on a CPU
-    (README). Reverse mode only (no jax.jvp). QNetwork's Dense passes it x and kernel only."""
+    """nn.Dense's x @ kernel, in full float32, not TF32 (a GPU's default; it solved fewer seeds).
+    Its backward takes x^T dy from a copy of x^T that the barrier keeps XLA from folding back:
+    faster on a CPU (README); plain nn.Dense differs only in rounding. Reverse mode only."""
 
     def backward(dy: jax.Array):
         x_t = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)
@@ -271,7 +271,7 @@ class AgentState(NamedTuple):
 def td_target(reward, terminated, next_q_target, next_q_online, gamma: float):
     """r + gamma * Q_target(s', a') unless s' is terminal; a' is the online net's pick (Double DQN,
     van Hasselt 2016), or with next_q_online None the target net's own (plain DQN: its max). A
-    truncated s' still bootstraps: the time limit is not part of the task, the episode goes on."""
+    truncated s' still bootstraps: the time limit is not part of the task, so s' has a future."""
     best = jnp.argmax(next_q_target if next_q_online is None else next_q_online, axis=-1)
     next_value = jnp.take_along_axis(next_q_target, best[..., None], axis=-1)[..., 0]
     return reward + gamma * (1.0 - terminated) * next_value
@@ -360,7 +360,7 @@ def make_blocks(config: Config, env, network: QNetwork):
         )
         buffer = buffer_add(carry.buffer, transition)
 
-        # On t alone, the same for every seed: under vmap, real branches (no update, no cost).
+        # Predicates of t alone, which vmap does not batch: real branches, not a select of both.
         learning = t + 1 >= config.learning_starts
         updated = learning & ((t + 1) % config.train_frequency == 0)
         agent, loss = jax.lax.cond(updated, update, no_update, hp, carry.agent, buffer, sample_key)
@@ -429,7 +429,7 @@ def make_blocks(config: Config, env, network: QNetwork):
 def make_train(config: Config, env=None, network=None):
     """Returns train(key, hparams=None) -> {"params", "metrics"}: one seed's whole experiment
     (the Config's hyperparameters if hparams is None; float32, even under JAX_ENABLE_X64): init,
-    then blocks of eval_every steps, each ending in a greedy evaluation (the CLI: one a call)."""
+    then blocks of eval_every steps, each ending in a greedy evaluation."""
     if env is None and config.env != "cartpole":  # make_env(config.env) in the appendix builds it
         raise ValueError(f"make_train: pass the env for env={config.env!r}")
     env = CartPole() if env is None else env
