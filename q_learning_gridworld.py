@@ -46,14 +46,14 @@ class Config:
     gamma: float = option(0.9, "discount factor, in [0, 1)")
     epsilon: float = option(0.1, "probability of a uniformly random action, in [0, 1]")
     # Optimistic start (Sutton & Barto 2.6): every untried action looks best until tried. From
-    # 0.0, epsilon-greedy could keep a detour on random mazes (seen), never trying the shortcut.
+    # 0.0, epsilon-greedy can settle on a detour in a random maze, never trying the shortcut.
     initial_q: float = option(1.0, "initial Q-values; 1.0 is optimistic: no state is worth more")
     num_seeds: int = option(1, "independent agents trained at once, sharded over all devices")
     seed: int = option(0, "base random seed; agent i uses fold_in(key(seed), i)")
     output_dir: str = option("runs/q_learning_gridworld_{time}", "run folder; {time}: its start")
     max_episode_steps: int = option(0, "truncate an episode after this many steps (0: never)")
     # Large: one jax.random.bits call has a fixed cost, spread over many steps (README). Another
-    # size cuts the random stream elsewhere: other draws.
+    # size gives each step other random numbers (other results, as valid).
     steps_per_block: int = option(100_000, "steps whose random numbers are drawn in one call")
     num_curve_points: int = option(10, "points on the learning curve (at most one per block)")
     num_recorded_episodes: int = option(500, "the first episodes whose lengths are recorded")
@@ -119,8 +119,8 @@ def parse_layout(text: str) -> GridMap:
         count = int((grid == char).sum())
         if count != 1:
             raise ValueError(f"--layout: the map needs exactly one {char} ({name}), found {count}")
-    # next_cell[cell, action]: off the grid or into a wall, the agent stays where it is. Walls
-    # map to themselves, so that value iteration leaves them at 0.
+    # next_cell[cell, action]: off the grid or into a wall, the agent stays where it is. Walls,
+    # never stood on, map to themselves (the appendix's value iteration then leaves them at 0).
     rows, cols = grid.shape
     next_cell = np.zeros((rows * cols, NUM_ACTIONS), np.int32)
     for cell, (row, col) in enumerate(np.ndindex(rows, cols)):
@@ -172,7 +172,7 @@ class GridWorld:
         terminated = next_cell == self.map.goal
         truncated = jnp.bool_(False)
         if self.max_episode_steps:  # Python-level: no time-limit code when there is no limit
-            truncated = (time >= self.max_episode_steps) & ~terminated
+            truncated = (time >= self.max_episode_steps) & ~terminated  # G at the limit: terminated
         done = terminated | truncated  # auto-reset: the next episode starts at S
         state = EnvState(
             cell=jnp.where(done, self.map.start, next_cell), time=jnp.where(done, 0, time)
@@ -199,7 +199,7 @@ def epsilon_greedy(q_s: jax.Array, bits: jax.Array, threshold: int) -> jax.Array
 
     With probability epsilon pick uniformly among all actions, otherwise uniformly among the
     best ones: distrax.EpsilonGreedy's distribution. Uniform tie-breaks matter at the start,
-    when all Q-values are equal (from initial_q 0, the first maximum would walk right forever).
+    when all Q-values are equal (from initial_q 0, argmax's first maximum would always pick right).
     """
     explore = (bits & RANDOM_FIELD_MASK) < threshold
     candidates = explore | (q_s == q_s.max())  # [4] bool: the actions to choose among
@@ -267,7 +267,7 @@ def make_train(config: Config, env: GridWorld | None = None):
     def agent_env_step(carry: StepCarry, bits: jax.Array) -> tuple[StepCarry, None]:
         """One agent step and one environment step; `bits` is this step's random uint32."""
         action = epsilon_greedy(carry.q[carry.obs], bits, threshold)
-        # key=None: GridWorld never reads it (a random one would draw from `bits` too).
+        # key=None: GridWorld never reads it (random dynamics would need a share of `bits` too).
         obs, env_state, reward, terminated, truncated, info = env.step(
             None, carry.env_state, action
         )
@@ -328,7 +328,7 @@ def make_train(config: Config, env: GridWorld | None = None):
         if rest:
             carry, _ = run_block(rest, carry, point_of_block[-1])
         curve = carry.curve  # [num_points] each
-        ended = jnp.maximum(curve.episodes, 1)  # with none, the means are 0 (NaN: JAX_DEBUG_NANS)
+        ended = jnp.maximum(curve.episodes, 1)  # none: means of 0, not 0/0 (trips JAX_DEBUG_NANS)
         return {
             "q_values": carry.step.q.reshape(env.rows, env.cols, NUM_ACTIONS),
             "metrics": {
