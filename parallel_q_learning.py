@@ -5,7 +5,8 @@
     python benchmarks/parallel_q_learning.py             # the speed story, measured here
 
 The GridWorld and Q-learning are the textbook ones (q_learning_gridworld.py's map format and
-dynamics; nothing is imported from it). New is the shape of the experiment: make_train(config)
+dynamics; nothing is imported from it), with Q from 0 as in the article, not that script's
+optimistic 1.0: a few seeds end on a detour. New is the shape of the experiment: make_train(config)
 returns a pure `train(rng, hparams)`, with the hyperparameters as data, so
 
     jax.jit(jax.vmap(train, in_axes=(0, None)))(keys, hparams)  # many seeds of one setting
@@ -24,8 +25,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
-# A device runs one thread of this program: one XLA device per CPU core splits the seeds over
-# every core (measured: see README). A GPU run is unaffected; a user's XLA_FLAGS win.
+# XLA runs this scan of small ops on about one core a device: one CPU device per core spreads
+# the seeds over every core (README). A GPU run is unaffected; a user's XLA_FLAGS win.
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={os.cpu_count() or 1}")
 if __name__ == "__main__":  # a Ctrl-C or SIGTERM while JAX loads waits for the handlers
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
@@ -63,7 +64,7 @@ class Config:
     gammas: tuple[float, ...] = option((0.9,), "comma-separated, each in [0, 1)")
     max_episode_steps: int = option(0, "time limit (truncation, still bootstraps); 0 = none")
     num_curve_points: int = option(50, "at most this many points per curve (memory does not grow)")
-    # Short: thousands of agents' bits stay in cache (README). Another size, other draws.
+    # Short: thousands of agents' bits stay in cache (README). Another size draws other numbers.
     rng_block_steps: int = option(100, "steps whose random bits are drawn at once")
     agents_per_chunk: int = option(0, "agents a device trains at once; 0: cache-sized on CPU")
     output_dir: str = option("runs/parallel_q_learning_{time}", "run folder; {time}: its start")
@@ -218,7 +219,7 @@ def epsilon_greedy(q_s: jax.Array, bits: jax.Array, threshold: jax.Array) -> jax
 
     Low 16 bits: explore or not. High 16 bits: a uniform pick among the candidates, which
     are all actions when exploring and the maximal ones otherwise (uniform tie-breaks: with a
-    zero-initialised table 'first maximum' would always walk right)."""
+    zero-initialised table argmax's first maximum would always pick right)."""
     explore = (bits & RANDOM_FIELD_MASK) < threshold
     candidates = explore | (q_s == q_s.max())  # [actions] bool
     # The j-th candidate with j = floor(u * count), u the high 16 bits as a fraction in [0, 1).
@@ -254,7 +255,7 @@ def greedy_path_length(q: jax.Array, env: GridWorld) -> jax.Array:
 # ----- Train: one agent, pure and jittable; vmap it over seeds and hyperparameters -----------
 
 
-class Schedule(NamedTuple):
+class StepPlan(NamedTuple):
     """How total_timesteps is cut (derived from Config): curve points of blocks_per_point blocks
     of block_steps steps, but the last point, which has the blocks and steps that are left."""
 
@@ -265,7 +266,7 @@ class Schedule(NamedTuple):
     last_block_steps: int
 
 
-def make_schedule(config: Config) -> Schedule:
+def make_step_plan(config: Config) -> StepPlan:
     """Whole blocks per curve point, at most num_curve_points points, exactly total_timesteps."""
     block_steps = min(config.rng_block_steps, config.total_timesteps)
     num_blocks = math.ceil(config.total_timesteps / block_steps)
@@ -273,7 +274,7 @@ def make_schedule(config: Config) -> Schedule:
     num_points = math.ceil(num_blocks / per_point)
     last_blocks = num_blocks - (num_points - 1) * per_point
     last_steps = config.total_timesteps - (num_blocks - 1) * block_steps
-    return Schedule(num_points, per_point, block_steps, last_blocks, last_steps)
+    return StepPlan(num_points, per_point, block_steps, last_blocks, last_steps)
 
 
 class Curve(NamedTuple):
@@ -300,15 +301,15 @@ class Carry(NamedTuple):
 def make_train(
     config: Config,
     env: GridWorld | None = None,
-    schedule: Schedule | None = None,
+    plan: StepPlan | None = None,
     on_point: Callable[[int], None] | None = None,
 ) -> Callable[[jax.Array, HParams], TrainResult]:
     """-> train(rng, hparams): one agent, pure, fully jittable.
 
-    env and schedule are built from config unless given (main builds each once). on_point(i),
+    env and plan are built from config unless given (main builds each once). on_point(i),
     if given, is called on the host after curve point i (progress); it changes no value."""
     env = env or make_env(config.layout, config.max_episode_steps)
-    schedule = schedule or make_schedule(config)
+    plan = plan or make_step_plan(config)
 
     def train(rng: jax.Array, hparams: HParams) -> TrainResult:
         threshold = explore_threshold(hparams.epsilon)
@@ -328,15 +329,14 @@ def make_train(
 
         def run_block(steps: int, carry: Carry, _) -> tuple[Carry, None]:
             key, block_key = jax.random.split(carry.key)
-            # All randomness of the block at once: a key split per step costs more than the
-            # Q-learning. No unroll: unrolling the gridworld's same scan made it slower (README).
+            # All the block's randomness at once: a key split per step costs more than Q-learning.
             bits = jax.random.bits(block_key, (steps,), jnp.uint32)
             carry, _ = lax.scan(agent_step, carry._replace(key=key), bits)
             return carry, None
 
         def run_interval(blocks: int, last_steps: int, carry: Carry, point) -> tuple[Carry, Curve]:
             """`blocks` blocks, the last one of `last_steps` steps, then a curve point."""
-            whole_blocks = partial(run_block, schedule.block_steps)
+            whole_blocks = partial(run_block, plan.block_steps)
             carry, _ = lax.scan(whole_blocks, carry, length=blocks - 1)
             carry, _ = run_block(last_steps, carry, None)
             curve = Curve(
@@ -356,10 +356,10 @@ def make_train(
             episodes=jnp.int32(0),
             key=rng,
         )
-        whole_points = partial(run_interval, schedule.blocks_per_point, schedule.block_steps)
-        carry, curve = lax.scan(whole_points, carry, jnp.arange(schedule.num_points - 1))
-        last = (schedule.last_point_blocks, schedule.last_block_steps)
-        carry, last_point = run_interval(*last, carry, schedule.num_points - 1)
+        whole_points = partial(run_interval, plan.blocks_per_point, plan.block_steps)
+        carry, curve = lax.scan(whole_points, carry, jnp.arange(plan.num_points - 1))
+        last = (plan.last_point_blocks, plan.last_block_steps)
+        carry, last_point = run_interval(*last, carry, plan.num_points - 1)
         curve = jax.tree.map(lambda c, p: jnp.concatenate([c, p[None]]), curve, last_point)
         return TrainResult(carry.q.reshape(env.rows, env.cols, NUM_ACTIONS), curve)
 
@@ -530,7 +530,7 @@ def check_output_dir(output_dir: str) -> None:
         raise ConfigError("output_dir", f"{str(existing)!r} is not writable")
 
 
-def validate(config: Config, schedule: Schedule) -> tuple[GridWorld, Path]:
+def validate(config: Config, plan: StepPlan) -> tuple[GridWorld, Path]:
     """The checks that need the map or the machine, before anything is written -> (the env,
     the run's folder, made on process 0)."""
     try:
@@ -544,8 +544,8 @@ def validate(config: Config, schedule: Schedule) -> tuple[GridWorld, Path]:
     # the memory is left to XLA and others.
     per_agent_terms = {
         "layout": 3 * env.num_cells * NUM_ACTIONS,
-        "rng_block_steps": 2 * schedule.block_steps,
-        "num_curve_points": schedule.num_points * len(Curve._fields),
+        "rng_block_steps": 2 * plan.block_steps,
+        "num_curve_points": plan.num_points * len(Curve._fields),
     }
     per_agent = sum(per_agent_terms.values())
     grid = len(config.gammas) * len(config.learning_rates) * len(config.epsilons)  # not built yet
@@ -610,13 +610,13 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
+def run_sweep(config, env, plan, mesh, chunks) -> tuple[TrainResult, dict]:
     """Compile and run make_sweep over the mesh, printing progress -> (numpy [grid, seeds, ...],
     timings)."""
     num_agents = len(grid_points(config)) * config.num_seeds
     # on_point: per device, chunk and point; in a cluster, this process's devices only.
     local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-    total_calls = local_devices * chunks * schedule.num_points
+    total_calls = local_devices * chunks * plan.num_points
     # on_point runs on a device's thread (or on a GPU, the main thread): next() is atomic, a
     # line is one write.
     calls, clock = itertools.count(1), {"start": 0.0}
@@ -632,7 +632,7 @@ def run_sweep(config, env, schedule, mesh, chunks) -> tuple[TrainResult, dict]:
             print(f"  {done:4.0%}  train {seconds:6.2f} s  {rate / 1e6:.1f}M agent-steps/s  "
                   f"ETA {eta:.1f} s\n", end="", flush=True)  # fmt: skip
 
-    sweep = shard_sweep(make_sweep(make_train(config, env, schedule, on_point)), mesh, chunks)
+    sweep = shard_sweep(make_sweep(make_train(config, env, plan, on_point)), mesh, chunks)
     keys = make_seed_keys(config.seed, config.num_seeds, mesh, chunks)
     grid = hparam_grid(config)
     start = time.perf_counter()
@@ -711,13 +711,13 @@ def versions() -> dict:
     return {"python": platform.python_version()} | {p: metadata.version(p) for p in packages}
 
 
-def summarize_grid(config: Config, env: GridWorld, schedule: Schedule, result: TrainResult):
+def summarize_grid(config: Config, env: GridWorld, plan: StepPlan, result: TrainResult):
     """Per grid point: final greedy path vs shortest, V(S) vs value iteration, episodes, and
     the share of training steps whose curve point has an optimal greedy path (how fast, not
     only where to; a shorter last point weighs less)."""
     exact = {gamma: float(value_iteration(env, gamma)[env.start].max()) for gamma in config.gammas}
     shortest = env.shortest_path  # steps from S to G
-    weights = np.diff(curve_steps(config, schedule), prepend=0)  # steps each point stands for
+    weights = np.diff(curve_steps(config, plan), prepend=0)  # steps each point stands for
     rows = []
     for g, point in enumerate(grid_points(config)):
         paths = np.asarray(result.curve.greedy_path_length[g])  # [seeds, points]
@@ -815,14 +815,14 @@ def catchable() -> list[int]:
     return [signum for signum in SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
-def curve_steps(config: Config, schedule: Schedule) -> np.ndarray:
+def curve_steps(config: Config, plan: StepPlan) -> np.ndarray:
     """The step at which each curve point is measured; the last point may be shorter."""
-    point_steps = schedule.blocks_per_point * schedule.block_steps
-    return np.minimum(np.arange(1, schedule.num_points + 1) * point_steps, config.total_timesteps)
+    point_steps = plan.blocks_per_point * plan.block_steps
+    return np.minimum(np.arange(1, plan.num_points + 1) * point_steps, config.total_timesteps)
 
 
 def save_run(
-    output: Path, summary: dict, config: Config, schedule: Schedule, result: TrainResult
+    output: Path, summary: dict, config: Config, plan: StepPlan, result: TrainResult
 ) -> None:
     """RUN_FILES: the summary; curves.csv, one row per grid point x seed x curve point; the
     final Q-tables [grid, seeds, rows, cols, actions]. The figures are drawn from these. All
@@ -833,7 +833,7 @@ def save_run(
     grid = np.array(grid_points(config))  # [grid, learning_rate epsilon gamma]
     seeds = np.arange(config.num_seeds)[:, None]
     columns = {name: grid[:, None, None, i] for i, name in enumerate(HParams._fields)}
-    columns |= {"seed": seeds, "step": curve_steps(config, schedule)}
+    columns |= {"seed": seeds, "step": curve_steps(config, plan)}
     columns |= result.curve._asdict()  # [grid, seeds, points] each
     # [grid * seeds, points] each, written an agent at a time: Python floats for all of them at
     # once took ~40x numpy's memory.
@@ -916,7 +916,7 @@ def plot_run(output: Path) -> None:
         curves = {name: values[:, i].reshape(shape) for i, name in enumerate(names)}
         grid = np.array(points)  # [grid, learning_rate epsilon gamma], as save_run writes it
         rows = {name: grid[:, None, None, i] for i, name in enumerate(HParams._fields)}
-        steps = curve_steps(config, make_schedule(config))  # the config's, as save_run wrote
+        steps = curve_steps(config, make_step_plan(config))  # the config's, as save_run wrote
         rows |= {"seed": np.arange(config.num_seeds)[:, None], "step": steps}
         if curves["step"].shape[-1] != len(steps) or any(
             (curves[name] != value).any() for name, value in rows.items()
@@ -1458,9 +1458,9 @@ def main(argv: list[str] | None = None) -> None:
             run_folder(config.output_dir, overwrite)
         except ValueError as error:
             fail(str(error))
-    schedule = make_schedule(config)
+    plan = make_step_plan(config)
     try:
-        env, output = validate(config, schedule)
+        env, output = validate(config, plan)
     except ConfigError as error:
         fail(str(error))
     config = dataclasses.replace(config, output_dir=str(output))
@@ -1475,14 +1475,14 @@ def main(argv: list[str] | None = None) -> None:
         f"{plural(mesh.size, jax.default_backend() + ' device')}, "
         f"{plural(chunks, 'chunk')} per device (--agents-per-chunk)"
     )
-    if schedule.num_points != config.num_curve_points:  # a curve point is made of whole blocks
+    if plan.num_points != config.num_curve_points:  # a curve point is made of whole blocks
         print(
-            f"note: {schedule.num_points} curve points, not {config.num_curve_points}: "
+            f"note: {plan.num_points} curve points, not {config.num_curve_points}: "
             "each point of --num-curve-points is a whole number of --rng-block-steps blocks"
         )
 
     try:
-        result, timings = run_sweep(config, env, schedule, mesh, chunks)
+        result, timings = run_sweep(config, env, plan, mesh, chunks)
     except BaseException:  # stopped: leave no empty folder
         remove_if_empty(output)
         raise
@@ -1491,7 +1491,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     # From the end of training, a signal waits until the run is written: no trained run is lost.
     with written_whole():
-        rows = summarize_grid(config, env, schedule, result)
+        rows = summarize_grid(config, env, plan, result)
         rate = num_agents * config.total_timesteps / timings["train_time_s"]
         print(
             f"compile {timings['compile_time_s']:.1f} s, train {timings['train_time_s']:.2f} s: "
@@ -1524,7 +1524,7 @@ def main(argv: list[str] | None = None) -> None:
             "grid": rows,
         }
         with replacing(output):  # the run --overwrite replaces stays till now
-            save_run(output, summary, config, schedule, result)
+            save_run(output, summary, config, plan, result)
             plot_run(output)
         print(
             f"wrote {', '.join(RUN_FILES)}, sweep_heatmap.png, learning_curves.png to {output}/, "

@@ -104,9 +104,9 @@ def sweep_point(args, env, agents: int, mesh, chunked: bool) -> Point:
         total_timesteps=steps, num_seeds=agents, learning_rates=(HPARAMS.learning_rate,),
         epsilons=(HPARAMS.epsilon,), gammas=(HPARAMS.gamma,), num_curve_points=1,
     )  # fmt: skip
-    schedule = pq.make_schedule(config)
+    plan = pq.make_step_plan(config)
     chunks = pq.chunks_per_device(config, env, mesh) if chunked else 1
-    sweep = pq.shard_sweep(pq.make_sweep(pq.make_train(config, env, schedule)), mesh, chunks)
+    sweep = pq.shard_sweep(pq.make_sweep(pq.make_train(config, env, plan)), mesh, chunks)
     keys = pq.make_seed_keys(0, agents, mesh, chunks)
     method = CHUNKED if chunked else ALL_AT_ONCE
     inputs = (keys, pq.hparam_grid(config))
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
             epsilons=(0.1,),
             output_dir=args.output_dir,
         )
-        _, folder = pq.validate(largest, pq.make_schedule(largest))  # it makes the folder
+        _, folder = pq.validate(largest, pq.make_step_plan(largest))  # it makes the folder
         args.output_dir = str(folder)  # with {time} filled in
         single_agent_config(args)
         with tempfile.TemporaryFile(dir=args.output_dir):  # os.access lets root "write" to /proc

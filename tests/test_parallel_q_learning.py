@@ -193,7 +193,7 @@ def test_the_schedule_runs_exactly_total_timesteps(total):
     """Whole points of whole blocks, then a last point with the blocks and steps left over."""
     for points in (3, 50):
         config = pq.Config(total_timesteps=total, rng_block_steps=100, num_curve_points=points)
-        s = pq.make_schedule(config)
+        s = pq.make_step_plan(config)
         whole = (s.num_points - 1) * s.blocks_per_point * s.block_steps
         assert whole + (s.last_point_blocks - 1) * s.block_steps + s.last_block_steps == total
         assert 1 <= s.num_points <= points and 1 <= s.last_point_blocks <= s.blocks_per_point
@@ -204,7 +204,7 @@ def test_the_schedule_runs_exactly_total_timesteps(total):
 
 @pytest.mark.parametrize("total", [250, 2_345])
 def test_train_steps_the_environment_exactly_total_timesteps(total):
-    """What the schedule says, train does: its GridWorld steps exactly total_timesteps times
+    """What the step plan says, train does: its GridWorld steps exactly total_timesteps times
     (counted on the host, a callback per step), with few curve points or many."""
     steps = []
 
@@ -298,7 +298,7 @@ def test_numpy_reference_loop_learns_the_same_values():
 def test_summary_checks_each_grid_point_against_value_iteration(small):
     env = pq.make_env(SMALL.layout)
     result = jax.tree.map(np.asarray, small["sweep"](small["keys"], small["grid"]))
-    rows = pq.summarize_grid(SMALL, env, pq.make_schedule(SMALL), result)
+    rows = pq.summarize_grid(SMALL, env, pq.make_step_plan(SMALL), result)
     assert len(rows) == 4
     for row in rows:
         assert row["shortest_path"] == 18
@@ -319,8 +319,8 @@ def test_the_summarys_shares_are_of_seeds_with_a_wilson_interval_and_of_training
     assert (low, high) == pytest.approx([0.8930, 0.9914], abs=1e-4)
     config = dataclasses.replace(SMALL, total_timesteps=3_001, num_curve_points=4)
     config = dataclasses.replace(config, rng_block_steps=1_000)
-    schedule = pq.make_schedule(config)
-    np.testing.assert_array_equal(pq.curve_steps(config, schedule), [1_000, 2_000, 3_000, 3_001])
+    plan = pq.make_step_plan(config)
+    np.testing.assert_array_equal(pq.curve_steps(config, plan), [1_000, 2_000, 3_000, 3_001])
     env = pq.make_env(config.layout)
     grid, seeds = 4, config.num_seeds
     paths = np.full((grid, seeds, 4), env.shortest_path)
@@ -328,7 +328,7 @@ def test_the_summarys_shares_are_of_seeds_with_a_wilson_interval_and_of_training
     zeros = np.zeros((grid, seeds, 4), np.float32)
     curve = pq.Curve(episodes=zeros, greedy_path_length=paths, start_value=zeros)
     result = pq.TrainResult(q_table=None, curve=curve)
-    for row in pq.summarize_grid(config, env, schedule, result):
+    for row in pq.summarize_grid(config, env, plan, result):
         assert row["optimal_time_share"]["mean"] == pytest.approx(3_000 / 3_001)
         assert row["greedy_path_optimal_fraction"]["mean"] == 0.0
         assert row["greedy_path_optimal_fraction"]["ci95"][1] > 0  # not zero-wide at 0%
@@ -398,20 +398,20 @@ def test_parse_float_list():
 def test_memory_refusal_names_the_flag(monkeypatch):
     with pytest.raises(pq.ConfigError, match="--num-seeds: .* GB"):
         config = pq.Config(num_seeds=10**9)
-        pq.validate(config, pq.make_schedule(config))
+        pq.validate(config, pq.make_step_plan(config))
     # A grid of a billion points: refused before it is built (it would fill the memory first).
     values = tuple(np.linspace(0.001, 0.999, 1000).tolist())
     config = pq.Config(learning_rates=values, epsilons=values, gammas=values)
     monkeypatch.setattr(pq, "grid_points", lambda config: pytest.fail("built the grid"))
     with pytest.raises(pq.ConfigError, match="--num-seeds: .* x 1000000000 grid points"):
-        pq.validate(config, pq.make_schedule(config))
+        pq.validate(config, pq.make_step_plan(config))
     # One agent's block of random bits over half the memory (here 8 GiB of a CPU): named.
     monkeypatch.setattr(pq.jax, "default_backend", lambda: "cpu")
     pages = {"SC_PHYS_PAGES": 2**21, "SC_PAGE_SIZE": 4096}
     monkeypatch.setattr(pq.os, "sysconf", pages.get)
     config = pq.Config(rng_block_steps=2**30, total_timesteps=2**30)
     with pytest.raises(pq.ConfigError, match="--rng-block-steps: one agent needs about 8.6 GB"):
-        pq.validate(config, pq.make_schedule(config))
+        pq.validate(config, pq.make_step_plan(config))
 
 
 def test_the_memory_is_the_tightest_cgroups_limit(fake_cgroups, tmp_path, monkeypatch):
@@ -425,7 +425,7 @@ def test_the_memory_is_the_tightest_cgroups_limit(fake_cgroups, tmp_path, monkey
     monkeypatch.setattr(pq, "cgroup_limit", lambda: 2**30)
     config = pq.Config(num_seeds=20_000, output_dir=str(tmp_path / "run"))
     with pytest.raises(pq.ConfigError, match=r"--num-seeds: .* more than 0.5 GB \(half the memory"):
-        pq.validate(config, pq.make_schedule(config))
+        pq.validate(config, pq.make_step_plan(config))
     assert not (tmp_path / "run").exists()
 
 
