@@ -719,10 +719,11 @@ def train_agents(config: Config, env, network, seed: int, grid: HParams, plan: S
                  start=None, timings=None):  # fmt: skip
     """Trains every agent (grid point x seed) with the reference's init and run_blocks, one
     evaluation block at a time, sharded over every device; after each block, yields (blocks
-    done, carry, metrics so far), so that the caller can save the run or stop it. `start`, such
-    a triple from a checkpoint, resumes. Agent a trains grid point a // num_seeds on seed
-    i = a % num_seeds, key fold_in(key(seed), i): every grid point gets the same seeds' keys, on
-    purpose (common random numbers: a difference between points is not the luck of the draw).
+    done, carry, metrics so far), so that the caller can save the run or stop it. `start`,
+    load_checkpoint's (blocks done, carry leaves, metrics), resumes. Agent a trains grid point
+    a // num_seeds on seed i = a % num_seeds, key fold_in(key(seed), i): every grid point gets the
+    same seeds' keys, on purpose (common random numbers: a difference between points is not the
+    luck of the draw).
     `timings`, a dict if given, gets the compile and training seconds."""
     timings = {} if timings is None else timings
     mesh, spec = Mesh(np.array(jax.devices()), ("seeds",)), PartitionSpec("seeds")
@@ -1055,9 +1056,9 @@ def save_run(output: Path, summary: dict, points: list, out: dict) -> None:
 
 def save_checkpoint(output: Path, run: dict, done: int, carry, metrics) -> None:
     """CHECKPOINT: the whole training state of every agent after `done` blocks (params, target,
-    optimizer, buffer, environment, keys), the metrics so far, and the `run` (its config, grid
-    points and solved return), in one file written atomically: all --resume needs. A write that
-    fails raises its OSError (the caller says whether the run goes on)."""
+    optimizer, buffer, environment, keys), the metrics so far, and the `run` (config, grid points,
+    solved return, cadence, render, x64), in one file written atomically: all --resume needs. A
+    write that fails raises its OSError (the caller says whether the run goes on)."""
     carry = gather(carry._replace(key=jax.random.key_data(carry.key)))  # every process joins
     if jax.process_index() > 0:
         return
@@ -1771,7 +1772,7 @@ def run_training(config, points, env, network, plan, environment, output, checkp
         "seeds_padded_to": plan.padded_seeds,
         "seeds_per_batch_per_device": plan.seeds_per_batch,
         "agent_steps_per_s": speed,
-        "timed_from_step": first,  # 0, or where --resume went on: the timings are this session's
+        "timed_from_step": first,  # 0, or where --resume went on: the timings are this command's
     }
     out = {"params": gather(carry.agent.params), "metrics": metrics}
     return jax.tree.map(lambda x: x[:num_agents], out), timings, signum if stopping else None
@@ -1795,7 +1796,7 @@ def parse_command(argv: list[str] | None):
         raise ValueError("--solved-return must be below 3.4e38 in size (a float32)")
     # --replot, --resume and --load take the saved run as it is: no other flag may change it.
     # --resume may say how often to save, and how the processes of a cluster meet; --load how
-    # to evaluate, and the run's env and network again (they must agree).
+    # to evaluate, and the run's env, network and seeds again (they must agree).
     parser = build_parser()
     parser.set_defaults(**dict.fromkeys(vars(args)))  # None: left out (a given flag never is)
     others = [flag(name) for name, x in vars(parser.parse_args(argv)).items() if x is not None]

@@ -978,8 +978,9 @@ def of_all(shown: list[int], gammas: list[float]) -> str:
 
 
 def plot_heatmap(summary: dict):
-    """Quality over learning rate x epsilon: one column of panels per gamma, one row per measure;
-    each colour scale spans the values present, each cell gives its mean and 95% CI."""
+    """Quality over learning rate x epsilon: one column of panels per gamma drawn (at most
+    MOST_PANELS), one row per measure; each colour scale spans those, and a small grid's cells
+    give their mean and 95% CI."""
     import matplotlib.pyplot as plt
 
     lrs, epsilons, gammas = (summary["config"][k] for k in ("learning_rates", "epsilons", "gammas"))
@@ -1019,8 +1020,8 @@ def plot_heatmap(summary: dict):
 
 
 def plot_curves(summary: dict, curves: dict, num_cells: int):
-    """Greedy path length during training, mean and 95% CI band across seeds, per grid point
-    (num_cells: the length of a path that never reaches G)."""
+    """Greedy path length during training, mean and 95% CI band across seeds, per grid point of
+    the gammas drawn (num_cells: the length of a path that never reaches G)."""
     import matplotlib.pyplot as plt
 
     config = summary["config"]

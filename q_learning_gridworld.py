@@ -914,7 +914,7 @@ def parse_config(argv: list[str] | None = None) -> Config | Path:
         flag = "--" + field.name.replace("_", "-")
         parser.add_argument(flag, type=convert, default=default, help=text)
     replot = {"metavar": "DIR", "default": argparse.SUPPRESS}  # no "(default: ...)"
-    parser.add_argument("--replot", **replot, help="redraw the figures of a saved run; no training")
+    parser.add_argument("--replot", **replot, help="redraw the figure of a saved run; no training")
     overwrite_help = "replace the run in an --output-dir that holds one"
     parser.add_argument("--overwrite", action="store_true", help=overwrite_help)
     args = vars(parser.parse_args(argv))
