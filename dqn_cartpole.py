@@ -1109,6 +1109,21 @@ def saved_config(saved: dict) -> Config:
     return config
 
 
+def check_points(points: list, config: Config) -> None:
+    """ValueError unless `points` are a saved run's grid points: one number a hyperparameter,
+    each a value the update rule can use, no two alike, and the first its config's own (as
+    parse_command builds them)."""
+    for point in points:
+        kinds = {name: type(value) for name, value in point.items()}
+        if kinds.keys() != set(HParams._fields) or not set(kinds.values()) <= {int, float}:
+            raise ValueError(f"a grid point is not one number a hyperparameter: {point!r:.100}")
+        grid_points({name: (point[name],) for name in HParams._fields})
+    if len({tuple(point.values()) for point in points}) < len(points):
+        raise ValueError("two of its grid points are alike")
+    if not points or points[0] != config.hparams()._asdict():
+        raise ValueError("its config is not its first grid point")
+
+
 class SavedCheckpoint(NamedTuple):
     """What --resume reads of a stopped run's checkpoint."""
 
@@ -1150,16 +1165,10 @@ def load_checkpoint(folder: str) -> SavedCheckpoint:
             metrics = {name: file[f"metrics_{name}"] for name in CURVES}
             done = int(file["blocks_done"])
         config = saved_config(run["config"])
-        for point in run["points"]:  # each a valid grid point: numbers, no other key
-            kinds = {name: type(value) for name, value in point.items()}
-            if kinds.keys() != set(HParams._fields) or not set(kinds.values()) <= {int, float}:
-                raise ValueError(f"a grid point is not one number a hyperparameter: {point!r:.100}")
-            grid_points({name: (point[name],) for name in HParams._fields})
         blocks = sum(count for _, count, _ in config.blocks)
         if not run["points"] or not 0 <= done < blocks:
             raise ValueError(f"{len(run['points'])} grid points, {done} of {blocks} blocks done")
-        if run["points"][0] != config.hparams()._asdict():  # as parse_command built them
-            raise ValueError("its config is not its first grid point")
+        check_points(run["points"], config)
         agents = {len(x) for x in (*leaves, *metrics.values())}  # of each array
         evals = {m.shape[1:] for m in metrics.values()}  # step 0 and one a block done
         if agents != {len(run["points"]) * config.num_seeds} or evals != {(done + 1,)}:
@@ -1189,10 +1198,11 @@ def load_checkpoint(folder: str) -> SavedCheckpoint:
     return SavedCheckpoint(config, run["points"], solved, (done, leaves, metrics), every, render)
 
 
-def read_curves(path: Path, shape: tuple[int, int, int]) -> dict[str, np.ndarray]:
-    """curves.csv as arrays `shape` [grid points, seeds, evaluations] (NaN for an empty cell):
-    its rows the summary's grid points x seeds in order, each at the same evaluations."""
-    num_seeds = shape[1]
+def read_curves(path: Path, points: list, num_seeds: int, steps: np.ndarray) -> dict:
+    """curves.csv as arrays [grid points, seeds, evaluations] (NaN for an empty cell): its rows
+    the summary's grid points x seeds in order, each at the run's evaluation `steps`, a swept
+    hyperparameter's column its grid point's value."""
+    shape = (len(points), num_seeds, len(steps))
     # utf-8-sig: a byte-order mark (a spreadsheet's save) is no part of the first column's name;
     # blank lines are skipped, as csv.DictReader does
     with reading(path), open(path, encoding="utf-8-sig") as file:
@@ -1206,38 +1216,51 @@ def read_curves(path: Path, shape: tuple[int, int, int]) -> dict[str, np.ndarray
         rows = [dict(zip(header, line, strict=True)) for _, line in numbered[1:]]
         if sorted({int(row["seed"]) for row in rows}) != list(range(num_seeds)):  # none, edited
             raise ValueError(f"it does not hold the summary's {num_seeds} seeds")
+        if len(rows) != math.prod(shape):
+            raise ValueError(f"it has {len(rows):,} rows, not one per grid point, seed and "
+                             f"evaluation ({math.prod(shape):,})")  # fmt: skip
         number = lambda text: float(text) if text else np.nan  # noqa: E731
-        columns = ("seed", *CURVES)
+        swept = [name for name in HParams._fields if name in header]
         curves = {
-            name: np.array([number(r[name]) for r in rows]).reshape(shape) for name in columns
+            name: np.array([number(r[name]) for r in rows]).reshape(shape)
+            for name in ("seed", *CURVES, *swept)
         }
         if (curves.pop("seed") != np.arange(num_seeds)[:, None]).any():  # [grid, seeds, evals]
             raise ValueError("its rows are not the summary's seeds in order")
-        if (curves["step"] != curves["step"][:1, :1]).any():  # rows cut off or mixed up
-            raise ValueError("it does not hold the same evaluations for every seed")
+        if (curves["step"] != steps).any():  # rows cut off, mixed up or edited
+            raise ValueError("its steps are not the run's evaluations, in order, for every seed")
+        for name in swept:
+            if (curves.pop(name) != np.array([p[name] for p in points])[:, None, None]).any():
+                raise ValueError(f"its {name} column is not the summary's grid points in order")
         if not np.isfinite(curves["eval_return"]).all():  # every evaluation is drawn
             raise ValueError("an eval_return in it is not a finite number")
     return curves
 
 
 def plot_run(output: Path) -> Path:
-    """learning_curves.png (one configuration) or sweep.png, from the saved files alone."""
+    """learning_curves.png (one configuration) or sweep.png, from the saved files alone, once
+    they agree: the summary's grid points and final returns are curves.csv's."""
     with reading(output / "summary.json") as path:  # what reading curves.csv needs of it
         summary = json.loads(path.read_text())
-        points = summary.get("grid", [None])  # a sweep's grid points; one configuration: one
-        if type(points) is not list or not points:
-            raise ValueError(f"its grid {points!r:.40} is not a list of grid points")
-        shape = (len(points), summary["config"]["num_seeds"], -1)
-    curves = read_curves(output / "curves.csv", shape)
+        config, done = saved_config(summary["config"]), saved_steps(summary)
+        results = summary.get("grid", [summary])  # a sweep's grid points; one configuration: one
+        if type(results) is not list or not results:
+            raise ValueError(f"its grid {results!r:.40} is not a list of grid points")
+        one = config.hparams()._asdict()
+        points = [result["hparams"] for result in results] if "grid" in summary else [one]
+        check_points(points, config)
+    steps = np.array([*range(0, done, config.eval_every), done])  # blocks, the last may be short
+    curves = read_curves(output / "curves.csv", points, config.num_seeds, steps)
     with reading(output / "summary.json"):  # the figure reads the rest of it
-        config, environment = summary["config"], summary["environment"]
-        total, done = config["total_timesteps"], saved_steps(summary)
+        for result, final in zip(results, curves["eval_return"][:, :, -1], strict=True):
+            if not np.array_equal(np.float32(result["final_eval_return"]), np.float32(final)):
+                raise ValueError("its final returns are not curves.csv's last evaluation")
+        environment, total = summary["environment"], config.total_timesteps
         steps = f"{total:,} steps" if done == total else f"{done:,} of {total:,} steps (stopped)"
-        title = f"DQN on {environment['id']}: {plural(config['num_seeds'], 'seed')} x {steps}"
+        title = f"DQN on {environment['id']}: {plural(config.num_seeds, 'seed')} x {steps}"
         solved = environment["solved_return"]
         if "grid" in summary:
-            labels = point_labels([point["hparams"] for point in summary["grid"]])
-            fig = plot_sweep(labels, summary["grid"], solved, title + " per grid point")
+            fig = plot_sweep(point_labels(points), results, solved, title + " per grid point")
             path = output / "sweep.png"
         else:
             path = output / "learning_curves.png"
@@ -1605,8 +1628,10 @@ def load_run(folder: str) -> SavedRun:
         with reading(Path(folder) / "summary.json") as path:
             summary = json.loads(path.read_text())
             config = saved_config(summary["config"])  # another script's run: named as such
-            grid = [{name: float(p["hparams"][name]) for name in HParams._fields} for p in
-                    summary["grid"]] if "grid" in summary else None  # fmt: skip
+            grid = [point["hparams"] for point in summary["grid"]] if "grid" in summary else None
+            if grid is not None:  # as --resume checks its checkpoint's
+                check_points(grid, config)
+                grid = [{name: float(value) for name, value in point.items()} for point in grid]
             solved = summary.get("environment", {}).get("solved_return")  # None: the env's
             solved = None if solved is None else float(solved)
             if solved is not None and not abs(solved) < 3.4e38:  # NaN too
@@ -2065,9 +2090,7 @@ def replot(folder: str) -> None:
             raise ValueError(f"{'not a' if output.exists() else 'no such'} folder")
         if not all((output / name).is_file() for name in RUN_FILES):
             raise ValueError(f"not a saved run: it needs {', '.join(RUN_FILES)}")
-        with reading(output / "summary.json") as path:  # its config, checked as --load does
-            saved_config(json.loads(path.read_text())["config"])
-        path = plot_run(output)
+        path = plot_run(output)  # which checks the files as --load does
     except Exception as error:  # a damaged file: one line (main's), not a traceback
         raise ValueError(f"--replot {folder}: cannot redraw ({describe(error)})"[:300]) from None
     print(f"redrew {path} from the saved files (no training)")
@@ -2182,8 +2205,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{what}: {score_line(results[0], solved)}; {wall}")
         else:
             print("grid points, best first (by solved share, then IQM):")
+            labels = point_labels(points)  # once: each is built from every point
             for place, g in enumerate(ranked(results), start=1):
-                print(f"{place:>3}. {point_labels(points)[g]}: {score_line(results[g], solved)}")
+                print(f"{place:>3}. {labels[g]}: {score_line(results[g], solved)}")
             print(wall)
         if stopped:
             steps = f"{extra['steps_done']:,} of {config.total_timesteps:,} steps"

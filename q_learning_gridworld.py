@@ -713,10 +713,11 @@ def reading(path: Path):
         raise ValueError(f"{path.name}: {describe(error)}") from None
 
 
-def read_csv(path: Path, columns: tuple[str, ...], num_seeds: int) -> dict:
+def read_csv(path: Path, columns: tuple[str, ...], num_seeds: int, last=None) -> dict:
     """write_csv's file -> {column: float array [seeds, points]}, parsed by numpy (a dict per row
     took ~600 bytes a row: a run the memory check let through ran out of it here). Its rows must
-    be the summary's seeds in order, each at the same points (its second column)."""
+    be the summary's seeds in order, each at the same rising points (its second column), the
+    last of them `last` if given."""
     # utf-8-sig: a byte-order mark (a spreadsheet's save) is no part of the first column's name
     with (
         reading(path),
@@ -731,10 +732,12 @@ def read_csv(path: Path, columns: tuple[str, ...], num_seeds: int) -> dict:
             raise ValueError(f"its columns are not {','.join(columns)}")
         table = {name: values[:, i].reshape(num_seeds, -1) for i, name in enumerate(names)}
         x = table[columns[1]]  # steps, or episode numbers
-        if (table["seed"] != np.arange(num_seeds)[:, None]).any() or (x != x[0]).any():
-            raise ValueError(
-                f"its rows are not the summary's {num_seeds} seeds, at the same {columns[1]}s"
-            )
+        seeds_in_order = (table["seed"] == np.arange(num_seeds)[:, None]).all()
+        if not seeds_in_order or (x != x[0]).any() or (np.diff(x[0]) <= 0).any():
+            raise ValueError(f"its rows are not the summary's {num_seeds} seeds, each at the same "
+                             f"rising {columns[1]}s")  # fmt: skip
+        if last is not None and x[0, -1] != last:
+            raise ValueError(f"its last {columns[1]} is {x[0, -1]:g}, not the run's {last:,}")
         return table
 
 
@@ -795,7 +798,7 @@ def plot_run(run_dir: Path) -> Path:
             raise ValueError(f"it holds {tables.dtype} {tables.shape}; the summary: float {shape}")
         q = tables[0].reshape(env.num_cells, NUM_ACTIONS)  # seed 0's
     columns = ("seed", "step", "episodes", "mean_episode_length", "mean_return")
-    curves = read_csv(run_dir / "curves.csv", columns, n)
+    curves = read_csv(run_dir / "curves.csv", columns, n, last=config.total_timesteps)
     first = read_csv(run_dir / "first_episodes.csv", ("seed", "episode", "length"), n)
     fig = Figure(figsize=(18, 5), layout="tight")
     ax_map, ax_episodes, ax_steps = fig.subplots(1, 3, width_ratios=[1.2, 1, 1])

@@ -1572,27 +1572,28 @@ def test_a_signal_saves_the_run_and_resume_ends_as_if_never_stopped(tmp_path, ca
 def test_curves_cut_short_are_refused_not_drawn(tmp_path):
     rows = ["seed,step,eval_return,train_return,loss", "0,0,9,,", "0,500,20,15,0.5"]
     rows += ["1,0,8,,", "1,500,30,12,0.4"]
-    path, shape = tmp_path / "curves.csv", (1, 2, -1)  # one grid point, two seeds
+    path, steps = tmp_path / "curves.csv", np.array([0, 500])
+    shape = ([{}], 2, steps)  # one grid point (nothing swept), two seeds
     path.write_text("\n".join([*rows, ""]))  # a blank line: skipped, as csv.DictReader does
-    assert dqn.read_curves(path, shape)["step"].shape == (1, 2, 2)
+    assert dqn.read_curves(path, *shape)["step"].shape == (1, 2, 2)
     path.write_text("\ufeff" + "\n".join(rows))  # a spreadsheet's byte-order mark: "no seed"
-    assert dqn.read_curves(path, shape)["step"].shape == (1, 2, 2)
+    assert dqn.read_curves(path, *shape)["step"].shape == (1, 2, 2)
     path.write_text("\n".join([rows[0].replace("loss", "eval_return"), *rows[1:]]))
     with pytest.raises(ValueError, match="its header names 'eval_return' twice"):  # the loss
-        dqn.read_curves(path, shape)  # column was drawn as the returns
+        dqn.read_curves(path, *shape)  # column was drawn as the returns
     path.write_text("\n".join([*rows[:4], "1,1000,30,12,0.4"]))  # mixed
-    with pytest.raises(ValueError, match="the same evaluations for every seed"):
-        dqn.read_curves(path, shape)
+    with pytest.raises(ValueError, match="its steps are not the run's evaluations, in order"):
+        dqn.read_curves(path, *shape)
     # Seed 0's rows only, a summary edited to one seed (drawn as one seed going back to step
     # 0), no rows (a TypeError deep in matplotlib): each refused, naming the seeds.
     for text, num_seeds in (rows[:3], 2), (rows, 1), (rows[:1], 2):
         path.write_text("\n".join(text))
         with pytest.raises(ValueError, match=f"hold the summary's {num_seeds} seeds"):
-            dqn.read_curves(path, (1, num_seeds, -1))
+            dqn.read_curves(path, [{}], num_seeds, steps)
     for row in "1,500,30,12", "1,500,30,12,0.4,7":  # a value short (read as NaN), one more
         path.write_text("\n".join([*rows[:4], row]))
         with pytest.raises(ValueError, match=r"^curves.csv: its line 5 has [46] values, not 5$"):
-            dqn.read_curves(path, shape)
+            dqn.read_curves(path, *shape)
     # Drawn: seeds in another order (seed 1's curve as seed 0's); a NaN evaluation was an error
     # in matplotlib, blamed on summary.json (where the figure is drawn); a text named no file.
     for text, why in (
@@ -1602,7 +1603,84 @@ def test_curves_cut_short_are_refused_not_drawn(tmp_path):
     ):
         path.write_text("\n".join(text))
         with pytest.raises(ValueError, match=why):
-            dqn.read_curves(path, shape)
+            dqn.read_curves(path, *shape)
+
+
+def test_replot_and_load_refuse_files_that_disagree(tmp_path, capsys):
+    """Hand-edited files that each read well alone but disagree were drawn or reported as they
+    came, exit 0: curves.csv's steps out of order or scaled (the histogram of "final" returns
+    drew step 500's), a sweep's blocks of rows swapped (with or without their hyperparameter
+    cells), a grid point's label edited, a seed's final return added, and under --load grid
+    points that are NaN, alike, a boolean or not the config's. Now each is one line naming the
+    file, exit 2, as --resume already refused them in its checkpoint."""
+    one, sweep = tmp_path / "one", tmp_path / "sweep"
+    dqn.main([*TINY_ARGS, "--output-dir", str(one)])
+    dqn.main([*TINY_ARGS, "--learning-rate", "0.001,0.003", "--output-dir", str(sweep)])
+    capsys.readouterr()
+
+    def edit_csv(change):  # change: rows -> rows, each a list of cells, the header first
+        def edit(folder):
+            lines = (folder / "curves.csv").read_text().splitlines()
+            rows = change([line.split(",") for line in lines])
+            (folder / "curves.csv").write_text("\n".join(",".join(row) for row in rows))
+
+        return edit
+
+    def edit_json(change):  # change: edits the summary in place
+        def edit(folder):
+            summary = json.loads((folder / "summary.json").read_text())
+            change(summary)
+            (folder / "summary.json").write_text(json.dumps(summary))
+
+        return edit
+
+    # 3 seeds x 3 evaluations (steps 0, 500, 1000) a grid point; the sweep's second from row 10
+    def steps_reordered(r):  # each seed's at steps 1000, 0, 500
+        return [r[0], *(r[seed + i] for seed in (1, 4, 7) for i in (2, 0, 1))]
+
+    def steps_scaled(r):
+        return [r[0], *([row[0], str(int(row[1]) * 10), *row[2:]] for row in r[1:])]
+
+    def swapped(r):
+        return [r[0], *r[10:19], *r[1:10]]
+
+    def swapped_keeping_cells(r):
+        return [r[0], *([a[0], *b[1:]] for a, b in zip(r[1:19], swapped(r)[1:], strict=True))]
+
+    def point(i, **change):
+        return lambda summary: summary["grid"][i]["hparams"].update(change)
+
+    def alike(summary):
+        summary["grid"][1]["hparams"] = summary["grid"][0]["hparams"]
+
+    def one_more_seed(summary):
+        summary["grid"][0]["final_eval_return"].append(999.0)
+
+    steps, final = "curves.csv: its steps are not", "summary.json: its final returns are not"
+    column = "curves.csv: its learning_rate column is not the summary's grid points in order"
+    cases = [
+        (one, "--replot", edit_csv(steps_reordered), steps),
+        (one, "--replot", edit_csv(steps_scaled), steps),
+        (sweep, "--replot", edit_csv(swapped), column),
+        (sweep, "--replot", edit_csv(swapped_keeping_cells), final),
+        (sweep, "--replot", edit_json(point(1, learning_rate=0.5)), column),
+        (sweep, "--replot", edit_json(one_more_seed), final),
+        (sweep, "--load", edit_json(point(0, learning_rate=float("nan"))), "--learning-rate must"),
+        (sweep, "--load", edit_json(alike), "summary.json: two of its grid points are alike"),
+        (sweep, "--load", edit_json(point(0, tau=True)), "is not one number a hyperparameter"),
+        (sweep, "--load", edit_json(point(0, learning_rate=0.5)), "not its first grid point"),
+    ]
+    for number, (run, flag, edit, why) in enumerate(cases):
+        folder = shutil.copytree(run, tmp_path / f"edited {number}")
+        edit(folder)
+        before = {path.name: path.read_bytes() for path in folder.iterdir()}
+        with pytest.raises(SystemExit) as exit_info:
+            dqn.main([flag, str(folder)])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1 and why in err, (number, err)
+        assert {path.name: path.read_bytes() for path in folder.iterdir()} == before, number
+    dqn.main(["--replot", str(sweep)])  # the files as written: drawn
+    assert "redrew" in capsys.readouterr().out
 
 
 def test_load_refuses_params_of_other_agents_than_the_summary_says(tmp_path, capsys):
@@ -2087,6 +2165,7 @@ def test_a_checkpoint_that_does_not_hold_together_is_one_line(tmp_path):
         # A point that is not its config's, or not of numbers: --resume trained with it, and its
         # summary said the config's values.
         ({"points": [point | {"gamma": 0.5}]}, "its config is not its first grid point"),
+        ({"points": [point, point]}, "two of its grid points are alike"),
         ({"points": [point | {"gamma": "0.5"}]}, "a grid point is not one number a hyperpa"),
         ({"points": [point | {"gamma": True}]}, "a grid point is not one number a hyperpa"),
         ({"points": [point | {"other": 1.0}]}, "a grid point is not one number a hyperpa"),

@@ -821,7 +821,8 @@ def test_replot_of_a_run_with_a_damaged_file_is_one_line(saved_run, tmp_path, da
 def test_replot_refuses_saved_files_that_do_not_hold_together(saved_run, tmp_path, capsys):
     """Each was drawn (exit 0) or named no file: curves.csv without seed 1's rows (a band of
     seed 0's two halves), or with seed 1's first (drawn as seed 0), or with a value more than
-    its header names; a summary edited to 1 or 3 seeds, or to 2.5; Q-tables of another dtype
+    its header names, or each seed's steps reversed or scaled (a curve drawn backwards, or past
+    the run's steps); a summary edited to 1 or 3 seeds, or to 2.5; Q-tables of another dtype
     (numpy's UFuncTypeError)."""
     run = tmp_path / "run"
     shutil.copytree(saved_run[0], run)
@@ -831,10 +832,16 @@ def test_replot_refuses_saved_files_that_do_not_hold_together(saved_run, tmp_pat
     seeds = lambda n: json.dumps({**summary, "config": {**summary["config"], "num_seeds": n}})  # noqa: E731
     no_seed_1 = "\n".join([header, *(row for row in rows if row[0] != "1")])
     seed_1_first = "\n".join([header, *sorted(rows, key=lambda row: -int(row[0]))])  # same steps
+    per_seed = [[row for row in rows if row.split(",")[0] == seed] for seed in "01"]
+    steps_reversed = "\n".join([header, *(row for seed in per_seed for row in seed[::-1])])
+    cells = [row.split(",") for row in rows]
+    scaled = "\n".join([header, *(",".join([c[0], str(float(c[1]) * 10), *c[2:]]) for c in cells)])
     bad_table = "q_tables.npy: it holds complex128 (2, 8, 12, 4); the summary: float"
     for name, damaged, why in (
         ("curves.csv", no_seed_1, "curves.csv: its rows are not the summary's 2 seeds"),
         ("curves.csv", seed_1_first, "curves.csv: its rows are not the summary's 2 seeds"),
+        ("curves.csv", steps_reversed, "curves.csv: its rows are not the summary's 2 seeds"),
+        ("curves.csv", scaled, "curves.csv: its last step is 200000, not the run's 20,000"),
         ("curves.csv", "\n".join([header, *(r + ",7" for r in rows)]), "curves.csv: its columns "),
         ("summary.json", seeds(1), "q_tables.npy: it holds float32 (2, 8, 12, 4); the summary: "),
         ("summary.json", seeds(3), "q_tables.npy: it holds float32 (2, 8, 12, 4); the summary: "),
