@@ -484,6 +484,7 @@ SOLVED_RETURNS = {"CartPole-v1": 475.0, "Acrobot-v1": -100.0, "MountainCar-v0": 
 SOME_ENVS = "cartpole, gymnax, gymnax:Acrobot-v1, gymnax:MountainCar-v0, gymnax:Breakout-MinAtar"
 # A million agents of the default config hold ~280 GiB (memory_need), more than a GPU has.
 MAX_GRID_POINTS = 1_000_000
+MOST_ROWS = 40  # of the sweep's figure: its best and worst 20 grid points
 # The values the update rule can use. The command line checks every grid point's: HParams are
 # data, which train() takes as they come.
 HPARAM_RULES = {
@@ -560,7 +561,10 @@ def grid_points(lists: dict[str, tuple[float, ...]]) -> list[dict[str, float]]:
         if any(0 < abs(value) < np.finfo(np.float32).tiny for value in float32):  # 1e-40, say
             raise ValueError(f"{flag(name)}: below 1.2e-38, float32 values are 0 to XLA")
         if len(set(float32)) < len(values):  # two grid points that could not be told apart
-            raise ValueError(f"{flag(name)} lists a value twice")
+            first = {}  # float32 value: the index of its first
+            i, j = next((first[v], k) for k, v in enumerate(float32) if first.setdefault(v, k) != k)
+            raise ValueError(f"{flag(name)} lists a value twice (in float32): {values[i]!r} and "
+                             f"{values[j]!r}")  # fmt: skip
     return [dict(zip(lists, values, strict=True)) for values in itertools.product(*lists.values())]
 
 
@@ -1360,10 +1364,16 @@ def point_labels(points: list[dict]) -> list[str]:
 
 def plot_sweep(labels: list, results: list, solved, title: str):
     """One row per grid point, best on top: each seed's final greedy return a dot, the IQM and
-    its 95% CI a bar. Rows labelled with their values, not colours: readable at any grid size."""
+    its 95% CI a bar. Rows labelled with their values, not colours: readable at any grid size.
+    Beyond MOST_ROWS grid points, the best and the worst half of that (a row each made 3,000
+    points a figure 111,000 pixels tall, and a larger sweep one Agg cannot draw)."""
     import matplotlib.pyplot as plt
 
     order, jitter = ranked(results), np.random.default_rng(0)
+    if len(order) > MOST_ROWS:
+        half = MOST_ROWS // 2
+        title += f"\nthe best and the worst {half} of {len(order):,} (summary.json has every one)"
+        order = order[:half] + order[-half:]
     fig, ax = plt.subplots(figsize=(8, 1.5 + 0.4 * len(order)))
     for row, g in enumerate(order):
         final, iqm, first = results[g]["final_eval_return"], results[g]["iqm"], row == 0
@@ -1378,6 +1388,8 @@ def plot_sweep(labels: list, results: list, solved, title: str):
                   zip(labels, shares, strict=True)]  # fmt: skip
     ax.set_yticks(range(len(order)), [labels[g] for g in order])
     ax.invert_yaxis()  # the best on top
+    if len(order) < len(results):  # between the best and the worst
+        ax.axhline(len(order) / 2 - 0.5, color="gray", ls=":", lw=1)
     if solved is not None:
         ax.axvline(solved, color="k", ls="--", lw=1, label=f"solved ({solved:g})")
     ax.set(xlabel="final greedy return", title=title)

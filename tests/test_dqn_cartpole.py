@@ -953,6 +953,31 @@ def test_sweep_labels_tell_every_grid_point_apart():
     ]
 
 
+def test_a_large_sweep_draws_its_best_and_worst_grid_points():
+    """A row per grid point made 3,000 points a figure 111,000 pixels tall (21 MB), and past
+    about 175,000 one that Agg refuses, after training. Beyond MOST_ROWS: the best and the worst
+    half of that, the title saying how many there are; a small sweep keeps every row."""
+    import matplotlib.pyplot as plt
+
+    def result(value):  # a grid point whose seeds all returned `value`
+        iqm = {"value": value, "ci95": [value, value]}
+        return {"final_eval_return": [value] * 3, "iqm": iqm, "solved_fraction": value / 500,
+                "solved_ci95": [0.0, 1.0]}  # fmt: skip
+
+    for count, rows in (5, 5), (dqn.MOST_ROWS, dqn.MOST_ROWS), (3_000, dqn.MOST_ROWS):
+        results = [result(float(i % 500)) for i in range(count)]
+        labels = [f"point {i}" for i in range(count)]
+        fig = dqn.plot_sweep(labels, results, 475.0, "title")
+        ax = fig.axes[0]
+        shown = [tick.get_text().split("\n")[0] for tick in ax.get_yticklabels()]
+        assert len(shown) == rows and fig.get_size_inches()[1] < 20, (count, len(shown))
+        best, worst = dqn.ranked(results)[: rows // 2], dqn.ranked(results)[-(rows // 2) :]
+        if count > rows:
+            assert shown == [labels[g] for g in best + worst]
+            assert f"the best and the worst 20 of {count:,}" in ax.get_title()
+        plt.close(fig)
+
+
 def test_load_scores_every_grid_point_on_the_same_episodes():
     """Under --load, seed i of every grid point plays the same fresh episodes, as in training
     (common random numbers): agent a played key a, so that two grid points with the same params
@@ -1118,6 +1143,11 @@ BAD_INPUTS = [
     (["--buffer-size", "256,512"], "--buffer-size"),  # a list on a flag that sets a shape
     (["--num-seeds", "2,4"], "--num-seeds"),
     (["--gamma", "0.99,1.5"], "--gamma"),  # one bad value in a sweep list
+    # Which two are alike: the line said "lists a value twice" of a list of distinct decimals
+    (
+        ["--learning-rate", "0.1,0.2,0.10000000001"],
+        "--learning-rate lists a value twice (in float32): 0.1 and 0.10000000001",
+    ),
     (["--env", "gymnax:Pendulum-v1"], "--env"),  # continuous actions
     (["--env", "gymnax:NoSuchEnv-v0"], "--env"),
     (["--env", "gymnax:Acrobot-v1", "--render"], "--render"),
