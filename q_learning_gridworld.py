@@ -245,7 +245,7 @@ class StepCarry(NamedTuple):
 
 
 class BlockCarry(NamedTuple):
-    step: StepCarry
+    step_carry: StepCarry
     curve: EpisodeStats  # [num_points] each: the learning curve being filled in
     key: jax.Array
 
@@ -292,7 +292,7 @@ def make_train(config: Config, env: GridWorld | None = None):
         """`steps` steps, their randomness drawn in one call, their stats to curve `point`."""
         key, block_key = jax.random.split(carry.key)
         bits = jax.random.bits(block_key, (steps,), jnp.uint32)  # [steps]
-        before = carry.step
+        before = carry.step_carry
         # No unroll on purpose: unrolling this scan made it slower on CPU (measured: see README).
         after, _ = jax.lax.scan(agent_env_step, before, bits)
         # Length sums cost nothing per step: a block's steps are those of the episodes that
@@ -305,11 +305,11 @@ def make_train(config: Config, env: GridWorld | None = None):
             return_sum=after.goals - before.goals,
         )
         curve = jax.tree.map(lambda c, s: c.at[point].add(s), carry.curve, stats)
-        return BlockCarry(step=after, curve=curve, key=key), None
+        return BlockCarry(step_carry=after, curve=curve, key=key), None
 
     def train(rng: jax.Array) -> dict:
         obs, env_state = env.reset(None)  # key=None: every episode starts at S
-        step = StepCarry(
+        step_carry = StepCarry(
             q=jnp.full((env.num_cells, NUM_ACTIONS), config.initial_q, jnp.float32),
             env_state=env_state,
             obs=obs,
@@ -322,7 +322,7 @@ def make_train(config: Config, env: GridWorld | None = None):
             length_sum=jnp.zeros(num_points, jnp.int32),
             return_sum=jnp.zeros(num_points, jnp.int32),
         )
-        carry = BlockCarry(step=step, curve=curve, key=rng)
+        carry = BlockCarry(step_carry=step_carry, curve=curve, key=rng)
         whole_blocks = functools.partial(run_block, config.steps_per_block)
         carry, _ = jax.lax.scan(whole_blocks, carry, point_of_block[:full_blocks])
         if rest:
@@ -330,10 +330,10 @@ def make_train(config: Config, env: GridWorld | None = None):
         curve = carry.curve  # [num_points] each
         ended = jnp.maximum(curve.episodes, 1)  # none: means of 0, not 0/0 (trips JAX_DEBUG_NANS)
         return {
-            "q_values": carry.step.q.reshape(env.rows, env.cols, NUM_ACTIONS),
+            "q_values": carry.step_carry.q.reshape(env.rows, env.cols, NUM_ACTIONS),
             "metrics": {
                 # [num_recorded_episodes] lengths of the first episodes, 0 where not ended
-                "episode_length": carry.step.episode_lengths,
+                "episode_length": carry.step_carry.episode_lengths,
                 # [num_points] each, whatever the run length: steps done at each point, and
                 # the episodes that ended in its stretch of training
                 "timestep": jnp.asarray(steps_done, jnp.int32),
