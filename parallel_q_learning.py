@@ -531,12 +531,18 @@ def check_output_dir(output_dir: str) -> None:
 
 
 def validate(config: Config, plan: StepPlan) -> tuple[GridWorld, Path]:
-    """The checks that need the map or the machine, before anything is written -> (the env,
-    the run's folder, made on process 0)."""
+    """The checks that need the map or the machine (or JAX), before anything is written -> (the
+    env, the run's folder, made on process 0)."""
     try:
         env = make_env(config.layout, config.max_episode_steps)
     except LayoutError as error:
         raise ConfigError("layout", str(error)) from None
+    # Two epsilons that explore_threshold rounds alike would train the same agents twice.
+    first = {}  # threshold: the index of the first epsilon with it
+    for k, threshold in enumerate(np.asarray(explore_threshold(jnp.float32(config.epsilons)))):
+        if (i := first.setdefault(int(threshold), k)) != k:
+            alike = f"{config.epsilons[i]!r} and {config.epsilons[k]!r} explore alike"
+            raise ConfigError("epsilons", f"{alike} (epsilon acts in steps of 2^-16)")
     if jax.process_index() == 0:  # process 0 writes for the cluster: the others' is not used
         check_output_dir(config.output_dir)
     # Per agent, in 4-byte words, by the flag that drives each part: the Q-table thrice (scan

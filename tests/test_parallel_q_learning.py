@@ -444,6 +444,8 @@ CLUSTER = ["--coordinator-address", "127.0.0.1:9", "--num-processes", "2"]
         (["--learning-rates", "0.1,5"], "--learning-rates"),  # above 1: NaN tables
         (["--seed", str(2**63)], "--seed"),
         (["--epsilons", "1.5"], "--epsilons"),
+        # One 16-bit threshold: the same agents twice, labelled apart (a uniform draw below both)
+        (["--epsilons", "0.1,1e-9,2e-9"], "--epsilons: 1e-09 and 2e-09 explore alike"),
         (["--gammas", "1.0"], "--gammas"),
         (["--layout", "no_such_layout"], "--layout"),
         (["--num-seeds", "1000000000"], "--num-seeds"),
