@@ -13,8 +13,8 @@ pure function from a key and HParams to params and metrics. Seed i trains on fol
     hparams = jax.tree.map(lambda v: jnp.full(512, v), Config().hparams())  # a sweep of gamma:
     out = jax.jit(jax.vmap(train))(keys, hparams._replace(gamma=jnp.linspace(0.99, 0.999, 512)))
 
-Not vanilla DQN (each saying why where it is made): Double DQN, Huber loss, LayerNorm, clipping,
-Polyak targets. Above the appendix line: the reference, complete. Below: running it at scale.
+Beyond vanilla DQN, each with its reason where it is made: Double DQN, Huber loss, LayerNorm,
+clipping, Polyak targets. Above the appendix line: the reference, complete. Below: at scale.
 """
 
 import dataclasses
