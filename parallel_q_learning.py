@@ -778,7 +778,13 @@ def atomic_open(path: Path, mode: str = "w", together: list | None = None):
 
 
 def rename_all(paths: list[Path]) -> None:
-    """Each file written under its temporary name (atomic_open's `together`) to its own."""
+    """Each file written under its temporary name (atomic_open's `together`) to its own. A name
+    a folder holds is one line before any is renamed (a rename failing half way left a mix of
+    old and new files, and a temporary one), no temporary file left."""
+    if taken := [path for path in paths if path.is_dir()]:
+        for path in paths:
+            temporary(path).unlink(missing_ok=True)
+        fail(f"cannot write {taken[0]} (a folder has its name)", status=1)
     for path in paths:
         os.replace(temporary(path), path)
 
@@ -929,8 +935,12 @@ def plot_run(output: Path) -> None:
         ):
             raise ValueError("its rows are not the summary's grid x seeds, each at its steps")
         lengths = curves["greedy_path_length"]  # steps, or num_cells: S never reaches G
-        if not ((lengths >= 0) & (lengths <= env.num_cells)).all():  # NaN too; 1e308 overflowed
-            raise ValueError(f"its greedy_path_length holds a value outside 0 to {env.num_cells}")
+        whole = (lengths >= env.shortest_path) & (lengths <= env.num_cells) & (lengths % 1 == 0)
+        if not whole.all():  # NaN too; 1e308 overflowed; below the shortest path, drawn under it
+            raise ValueError(
+                f"its greedy_path_length holds a value that is not a whole number from the "
+                f"shortest path, {env.shortest_path}, to {env.num_cells}"
+            )
     with reading(output / "q_tables.npy") as path:  # its header: the figures draw no table
         tables = np.lib.format.open_memmap(path, mode="r")
         expected = (len(points), config.num_seeds, env.rows, env.cols, NUM_ACTIONS)

@@ -697,6 +697,7 @@ def test_cli_happy_path(tmp_path, monkeypatch):
     column = rows[0].split(",").index("greedy_path_length")  # inf: matplotlib's error, no file
     inf = ",".join("inf" if i == column else v for i, v in enumerate(rows[1].split(",")))
     huge = inf.replace("inf", "1e308")  # finite: numpy's overflow warnings, then matplotlib's
+    below = inf.replace("inf", "1")  # shorter than the shortest path: drawn under its line
     twice = rows[0].replace("start_value", "greedy_path_length")  # its values drawn as lengths
     assert twice.count("greedy_path_length") == 2
     step = rows[0].split(",").index("step")  # every step 0: matplotlib's two-line warning
@@ -709,6 +710,7 @@ def test_cli_happy_path(tmp_path, monkeypatch):
         ("curves.csv", [rows[0], *(row + ",7" for row in rows[1:])], "curves.csv: its header "),
         ("curves.csv", [rows[0], inf, *rows[2:]], "curves.csv: its greedy_path_length holds"),
         ("curves.csv", [rows[0], huge, *rows[2:]], "curves.csv: its greedy_path_length holds"),
+        ("curves.csv", [rows[0], below, *rows[2:]], "curves.csv: its greedy_path_length holds"),
         ("curves.csv", [twice, *rows[1:]], "curves.csv: its header names 'greedy_path_length' t"),
         ("curves.csv", [rows[0], *zero], "curves.csv: its rows are not"),
     ):  # fmt: skip
@@ -734,6 +736,15 @@ def test_cli_happy_path(tmp_path, monkeypatch):
         pq.plot_run(output)
     assert {name: (output / name).read_bytes() for name in figures} == figures
     assert len(figures) == 2 and not list(output.glob(".*"))
+    # A folder at a figure's name: the heatmap was replaced, then the rename failed, leaving its
+    # temporary file and a traceback-worded line naming it. Now one line before either is renamed
+    (output / "learning_curves.png").unlink()
+    (output / "learning_curves.png").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        pq.plot_run(output)
+    assert exit_info.value.code == 1 and not list(output.glob(".*"))
+    assert (output / "sweep_heatmap.png").read_bytes() == figures["sweep_heatmap.png"]
+    (output / "learning_curves.png").rmdir()
     # Q-tables that are not the run's: required, and never read (their header is read now)
     tables = np.load(output / "q_tables.npy")
     for damaged, why in (tables.astype(complex), "complex128"), (tables[:1], "float32 (1, 3"):
