@@ -782,6 +782,33 @@ def saved_config(saved: dict) -> Config:
     return Config(**saved)
 
 
+def check_episodes(run_dir: Path, config: Config, curves: dict, first: dict) -> None:
+    """ValueError naming the file unless its numbers are ones the run could make: whole episode
+    counts, a mean length (1 to the time limit) and return (0 to 1) where one ended, blank where
+    none did, its curve points and first episodes as many as the config says, each episode's
+    length within the limit and a seed's first episodes within its steps."""
+    limit = config.max_episode_steps or config.total_timesteps
+    with reading(run_dir / "curves.csv"):
+        episodes, length = curves["episodes"], curves["mean_episode_length"]
+        ret = curves["mean_return"]
+        ended = episodes > 0
+        means = np.where(ended, (length >= 1) & (length <= limit) & (ret >= 0) & (ret <= 1),
+                         np.isnan(length) & np.isnan(ret))  # fmt: skip
+        if not ((episodes % 1 == 0) & (episodes >= 0) & means).all():
+            raise ValueError("its episodes and means are not ones a run makes")
+        points = min(config.num_curve_points, count_blocks(config))
+        if episodes.shape[1] != points:
+            raise ValueError(f"it has {episodes.shape[1]} curve points, not the run's {points}")
+    with reading(run_dir / "first_episodes.csv"):
+        lengths = first["length"]  # [seeds, episodes]; 0: not ended
+        if lengths.shape[1] != config.num_recorded_episodes:
+            raise ValueError(f"it has {lengths.shape[1]} episodes, not the run's "
+                             f"{config.num_recorded_episodes}")  # fmt: skip
+        whole = (lengths % 1 == 0) & (lengths >= 0) & (lengths <= limit)
+        if not whole.all() or (lengths.sum(axis=1) > config.total_timesteps).any():
+            raise ValueError("its lengths are not ones a run makes")
+
+
 def plot_run(run_dir: Path) -> Path:
     """Max-Q heatmap of seed 0 with its greedy actions, then two learning curves, drawn from
     the saved files alone (so the figure shows nothing that was not saved) -> its path."""
@@ -796,10 +823,13 @@ def plot_run(run_dir: Path) -> Path:
         tables, shape = np.lib.format.read_array(file), (n, env.rows, env.cols, NUM_ACTIONS)
         if tables.shape != shape or tables.dtype.kind != "f":  # [seeds, rows, cols, actions]
             raise ValueError(f"it holds {tables.dtype} {tables.shape}; the summary: float {shape}")
+        if not np.isfinite(tables).all():  # a NaN cell was drawn black, as a wall
+            raise ValueError("it holds a value that is not a finite number")
         q = tables[0].reshape(env.num_cells, NUM_ACTIONS)  # seed 0's
     columns = ("seed", "step", "episodes", "mean_episode_length", "mean_return")
     curves = read_csv(run_dir / "curves.csv", columns, n, last=config.total_timesteps)
     first = read_csv(run_dir / "first_episodes.csv", ("seed", "episode", "length"), n)
+    check_episodes(run_dir, config, curves, first)
     fig = Figure(figsize=(18, 5), layout="tight")
     ax_map, ax_episodes, ax_steps = fig.subplots(1, 3, width_ratios=[1.2, 1, 1])
     fig.suptitle(

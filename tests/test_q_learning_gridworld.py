@@ -822,8 +822,10 @@ def test_replot_refuses_saved_files_that_do_not_hold_together(saved_run, tmp_pat
     """Each was drawn (exit 0) or named no file: curves.csv without seed 1's rows (a band of
     seed 0's two halves), or with seed 1's first (drawn as seed 0), or with a value more than
     its header names, or each seed's steps reversed or scaled (a curve drawn backwards, or past
-    the run's steps); a summary edited to 1 or 3 seeds, or to 2.5; Q-tables of another dtype
-    (numpy's UFuncTypeError)."""
+    the run's steps), or a negative mean episode length; first episodes longer than the run or
+    negative (drawn as not ended), or fewer than the summary records; a summary edited to 1 or 3
+    seeds, or to 2.5; Q-tables of another dtype (numpy's UFuncTypeError), or with a NaN (its
+    cell drawn black, as a wall)."""
     run = tmp_path / "run"
     shutil.copytree(saved_run[0], run)
     whole = {name: (run / name).read_text() for name in ("summary.json", "curves.csv")}
@@ -837,6 +839,17 @@ def test_replot_refuses_saved_files_that_do_not_hold_together(saved_run, tmp_pat
     cells = [row.split(",") for row in rows]
     scaled = "\n".join([header, *(",".join([c[0], str(float(c[1]) * 10), *c[2:]]) for c in cells)])
     bad_table = "q_tables.npy: it holds complex128 (2, 8, 12, 4); the summary: float"
+    tables = np.load(saved_run[0] / "q_tables.npy")
+    with_nan = tables.copy()
+    with_nan[0, 3, 3] = np.nan
+    first_header, first_row, *first_rows = (run / "first_episodes.csv").read_text().splitlines()
+    seed, episode, _ = first_row.split(",")
+    first = lambda length: "\n".join([first_header, f"{seed},{episode},{length}", *first_rows])  # noqa: E731
+    ended = next(i for i, row in enumerate(rows) if float(row.split(",")[2]) > 0)
+    negative = [",".join([*r.split(",")[:3], "-540", *r.split(",")[4:]]) for r in rows[ended:][:1]]
+    negative_mean = "\n".join([header, *rows[:ended], *negative, *rows[ended + 1 :]])
+    lengths_are_not = "first_episodes.csv: its lengths are not ones a run makes"
+    recorded = json.dumps({**summary, "config": {**summary["config"], "num_recorded_episodes": 5}})
     for name, damaged, why in (
         ("curves.csv", no_seed_1, "curves.csv: its rows are not the summary's 2 seeds"),
         ("curves.csv", seed_1_first, "curves.csv: its rows are not the summary's 2 seeds"),
@@ -846,10 +859,15 @@ def test_replot_refuses_saved_files_that_do_not_hold_together(saved_run, tmp_pat
         ("summary.json", seeds(1), "q_tables.npy: it holds float32 (2, 8, 12, 4); the summary: "),
         ("summary.json", seeds(3), "q_tables.npy: it holds float32 (2, 8, 12, 4); the summary: "),
         ("summary.json", seeds(2.5), "summary.json: num_seeds 2.5 is not of the type of its "),
-        ("q_tables.npy", None, bad_table),
+        ("curves.csv", negative_mean, "curves.csv: its episodes and means are not ones a run "),
+        ("first_episodes.csv", first(9_999_999), lengths_are_not),
+        ("first_episodes.csv", first(-540), lengths_are_not),
+        ("summary.json", recorded, "first_episodes.csv: it has 500 episodes, not the run's 5"),
+        ("q_tables.npy", tables.astype(complex), bad_table),
+        ("q_tables.npy", with_nan, "q_tables.npy: it holds a value that is not a finite number"),
     ):
-        if damaged is None:
-            np.save(run / name, np.load(saved_run[0] / name).astype(complex))
+        if isinstance(damaged, np.ndarray):
+            np.save(run / name, damaged)
         else:
             (run / name).write_text(damaged)
         with pytest.raises(SystemExit) as exit_info:
