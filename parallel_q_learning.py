@@ -717,6 +717,16 @@ def versions() -> dict:
     return {"python": platform.python_version()} | {p: metadata.version(p) for p in packages}
 
 
+def heatmap_measures(paths: np.ndarray, shortest: int, weights: np.ndarray) -> dict:
+    """HEATMAP_MEASURES of one grid point from its greedy path lengths [seeds, points], each
+    curve point weighing the steps it stands for."""
+    on_path = paths == shortest
+    return {
+        "greedy_path_optimal_fraction": share_ci(on_path[:, -1]),
+        "optimal_time_share": mean_ci(np.average(on_path, 1, weights)),
+    }
+
+
 def summarize_grid(config: Config, env: GridWorld, plan: StepPlan, result: TrainResult):
     """Per grid point: final greedy path vs shortest, V(S) vs value iteration, episodes, and
     the share of training steps whose curve point has an optimal greedy path (how fast, not
@@ -733,8 +743,7 @@ def summarize_grid(config: Config, env: GridWorld, plan: StepPlan, result: Train
                 **point._asdict(),
                 "shortest_path": shortest,
                 "greedy_path_length": mean_ci(paths[:, -1]),
-                "greedy_path_optimal_fraction": share_ci(paths[:, -1] == shortest),
-                "optimal_time_share": mean_ci(np.average(paths == shortest, 1, weights)),
+                **heatmap_measures(paths, shortest, weights),
                 "value_iteration_start_value": exact[point.gamma],
                 "start_value_abs_error": mean_ci(np.abs(start_value - exact[point.gamma])),
                 "episodes_completed": mean_ci(np.asarray(result.curve.episodes[g]).sum(axis=1)),
@@ -906,7 +915,7 @@ def plot_run(output: Path) -> None:
         if points != [tuple(point) for point in grid_points(config)]:  # the heatmap's order
             raise ValueError("its grid is not its config's gammas x learning rates x epsilons")
         shape = (len(points), config.num_seeds, -1)  # curves.csv's [grid, seeds, points]
-    env = make_env(config.layout)
+        env = make_env(config.layout)
     # Parsed by numpy (a dict per row took ~750 bytes); no rows: our line, not numpy's warning.
     path = output / "curves.csv"
     # utf-8-sig: a byte-order mark (a spreadsheet's save) is no part of the first column's name
@@ -949,6 +958,16 @@ def plot_run(output: Path) -> None:
                 f"it holds {tables.dtype} {tables.shape}; the summary: float {expected}"
             )
     with reading(output / "summary.json"):  # the figures read the rest of it
+        if summary["steps_per_agent"] != config.total_timesteps:
+            raise ValueError(f"its steps_per_agent is not its config's {config.total_timesteps}")
+        weights = np.diff(steps, prepend=0)
+        for row, paths in zip(summary["grid"], curves["greedy_path_length"], strict=True):
+            if row["shortest_path"] != env.shortest_path:
+                raise ValueError(f"a shortest_path is not its map's {env.shortest_path}")
+            for name, want in heatmap_measures(paths, env.shortest_path, weights).items():
+                saved = [row[name]["mean"], *(row[name]["ci95"] or [])]
+                if not np.allclose(saved, [want["mean"], *(want["ci95"] or [])], 1e-9, 1e-12):
+                    raise ValueError(f"its {name} is not curves.csv's (the heatmap draws it)")
         heatmap, learning = plot_heatmap(summary), plot_curves(summary, curves, env.num_cells)
     written = []  # both figures or neither (one that failed left the other redrawn)
     save_figure(heatmap, output / "sweep_heatmap.png", written)

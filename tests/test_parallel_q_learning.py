@@ -694,6 +694,9 @@ def test_cli_happy_path(tmp_path, monkeypatch):
     # infinite path length (matplotlib's log scale).
     config, rows, grid = summary["config"], whole["curves.csv"].splitlines(), summary["grid"]
     not_its = "summary.json: its grid is not its config's gammas x learning rates x epsilons"
+    shortest = "summary.json: a shortest_path is not its map's 18"
+    share, five = "greedy_path_optimal_fraction", {"mean": 5, "ci95": [0.0, 0.56]}  # drawn: 5.00
+    not_curves = f"summary.json: its {share} is not curves.csv's"
     column = rows[0].split(",").index("greedy_path_length")  # inf: matplotlib's error, no file
     inf = ",".join("inf" if i == column else v for i, v in enumerate(rows[1].split(",")))
     huge = inf.replace("inf", "1e308")  # finite: numpy's overflow warnings, then matplotlib's
@@ -707,6 +710,11 @@ def test_cli_happy_path(tmp_path, monkeypatch):
         ("summary.json", {"config": {**config, "learning_rates": [0.5, 0.1]}}, not_its),
         ("summary.json", {"grid": [{**grid[0], "gamma": 0.5}, *grid[1:]]}, not_its),
         ("summary.json", {"config": {**config, "num_seeds": 2.5}}, "summary.json: num_seeds 2.5"),
+        # Drawn as they came: numbers the figures take from the summary, not from curves.csv
+        ("summary.json", {"grid": [{**grid[0], "shortest_path": 3}, *grid[1:]]}, shortest),
+        ("summary.json", {"grid": [{**grid[0], share: five}, *grid[1:]]}, not_curves),
+        ("summary.json", {"steps_per_agent": 10**9}, "summary.json: its steps_per_agent is not"),
+        ("summary.json", {"config": {**config, "layout": "G..\n###\n..S"}}, "summary.json: "),
         ("curves.csv", [rows[0], *(row + ",7" for row in rows[1:])], "curves.csv: its header "),
         ("curves.csv", [rows[0], inf, *rows[2:]], "curves.csv: its greedy_path_length holds"),
         ("curves.csv", [rows[0], huge, *rows[2:]], "curves.csv: its greedy_path_length holds"),
