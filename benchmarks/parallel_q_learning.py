@@ -263,6 +263,9 @@ def check_new_folder(template: str) -> None:
 def single_agent_config(args: argparse.Namespace) -> pq.Config:
     """The one-agent run: --agent-steps in whole blocks (ConfigError past the script's limits)."""
     steps = -(-args.agent_steps // SINGLE_AGENT_BLOCK) * SINGLE_AGENT_BLOCK
+    if steps >= 2**31:  # the value given may be below it: say what it became
+        rounded = f"in whole blocks of {SINGLE_AGENT_BLOCK:,} steps it makes {steps:,}"
+        raise pq.ConfigError("total_timesteps", f"{rounded}, beyond the script's 2^31 - 1")
     return pq.Config(total_timesteps=steps, num_curve_points=1, rng_block_steps=SINGLE_AGENT_BLOCK)
 
 

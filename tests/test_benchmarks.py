@@ -52,6 +52,8 @@ BAD = {  # benchmark and arguments: the flag its one line must name
     "parallel_q_learning.py --max-agents 4 --agent-steps 4000 --numpy-steps 200 --repeats 1 "
     "--yardstick-timesteps 100 --yardstick-agents 4 --output-dir /proc": "--output-dir",
     "parallel_q_learning.py --agent-steps 100000000000000000": "--agent-steps",  # int32 steps
+    # In range, but not in whole blocks: the line blamed "got 2147490000", not the value given
+    "parallel_q_learning.py --agent-steps 2147483647": "in whole blocks of 10,000 steps it makes",
     "parallel_q_learning.py --max-agents 1": "--max-agents",  # below the session's 2 devices
     # A folder that holds files (benchmark.json was replaced), and y/../{time} (y was left)
     f"parallel_q_learning.py --output-dir {BENCHMARKS}": "--output-dir",
