@@ -818,14 +818,15 @@ def signals_held():
 
 
 @contextlib.contextmanager
-def written_whole():
-    """A run's files are written whole: a Ctrl-C, SIGTERM or SIGHUP that comes meanwhile waits,
-    then ends the script, as does one whose exception was dropped earlier (RECEIVED)."""
+def written_whole(what: str = "the run"):
+    """A run's files (or `what`) are written whole: a Ctrl-C, SIGTERM or SIGHUP that comes
+    meanwhile waits, then ends the script, as does one whose exception was dropped earlier
+    (RECEIVED)."""
     with signals_held() as caught:
         yield
     caught = RECEIVED + caught  # stop() took one, yet the run is here: its exception was dropped
     if caught:
-        message = f"stopped by {SIGNALS[caught[0]]} once the run was written whole"
+        message = f"stopped by {SIGNALS[caught[0]]} once {what} was written whole"
         print(f"parallel_q_learning.py: {message}", file=sys.stderr)  # asked for: not an "error:"
         sys.exit(128 + caught[0])
 
@@ -1473,7 +1474,7 @@ def main(argv: list[str] | None = None) -> None:
         if not all((config / name).is_file() for name in RUN_FILES):
             fail(f"--replot: {str(config)!r} is not a saved run (needs {', '.join(RUN_FILES)})")
         try:
-            with written_whole():  # both figures redrawn, or a signal waits till they are
+            with written_whole("each figure"):  # both redrawn, or a signal waits till they are
                 plot_run(config)
         except Exception as error:  # a damaged file: one line, not a traceback
             fail(f"--replot {config}: cannot redraw ({describe(error)})"[:300])

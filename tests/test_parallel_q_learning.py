@@ -918,7 +918,7 @@ def test_a_signal_during_replot_waits_until_both_figures_are_redrawn(tmp_path, c
     finally:
         signal.signal(signal.SIGTERM, previous)
     err = capsys.readouterr().err.strip()
-    stopped = "parallel_q_learning.py: stopped by SIGTERM once the run was written whole"
+    stopped = "parallel_q_learning.py: stopped by SIGTERM once each figure was written whole"
     assert exit_info.value.code == 143 and err == stopped, err
     assert (run / "sweep_heatmap.png").exists() and (run / "learning_curves.png").exists()
 
