@@ -49,7 +49,7 @@ def main() -> None:
     try:  # the script's default block: a shorter last one takes what is left
         config = qlg.Config(total_timesteps=args.timesteps)
     except ValueError as error:  # the script's own limits, under this command's flag
-        parser.error(f"--timesteps: {error}")
+        parser.error(str(error).replace("--total-timesteps", "--timesteps"))  # one flag named
     cli.check_backend()
     train = jax.jit(qlg.make_train(config))
     key = jax.random.key(0)

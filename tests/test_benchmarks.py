@@ -18,7 +18,8 @@ BAD = {  # benchmark and arguments: the flag its one line must name
     "dqn_sweep.py --timesteps 1 --repeats 1": "--train-frequency",  # the DQN's line (it was exit 1)
     "dqn_time_split.py --agents 0": "--agents",
     "q_learning_gridworld.py --timesteps x": "--timesteps",
-    "q_learning_gridworld.py --timesteps 3000000000": "--timesteps",  # beyond the script's int32
+    # beyond the script's int32: named once (it was "--timesteps: --total-timesteps must be")
+    "q_learning_gridworld.py --timesteps 3000000000": "error: --timesteps must be in [1, 2^31)",
     "article_q_learning.py --timesteps 0": "--timesteps",
     "article_q_learning.py --num-agents -1": "--num-agents",
     "article_dqn.py --timesteps 0": "--timesteps",  # it printed steps_per_s=0, exit 0
