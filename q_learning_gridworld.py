@@ -713,11 +713,10 @@ def reading(path: Path):
         raise ValueError(f"{path.name}: {describe(error)}") from None
 
 
-def read_csv(path: Path, columns: tuple[str, ...], num_seeds: int, last=None) -> dict:
+def read_csv(path: Path, columns: tuple[str, ...], num_seeds: int) -> dict:
     """write_csv's file -> {column: float array [seeds, points]}, parsed by numpy (a dict per row
     took ~600 bytes a row: a run the memory check let through ran out of it here). Its rows must
-    be the summary's seeds in order, each at the same rising points (its second column), the
-    last of them `last` if given."""
+    be the summary's seeds in order, each at the same rising points (its second column)."""
     # utf-8-sig: a byte-order mark (a spreadsheet's save) is no part of the first column's name
     with (
         reading(path),
@@ -736,8 +735,6 @@ def read_csv(path: Path, columns: tuple[str, ...], num_seeds: int, last=None) ->
         if not seeds_in_order or (x != x[0]).any() or (np.diff(x[0]) <= 0).any():
             raise ValueError(f"its rows are not the summary's {num_seeds} seeds, each at the same "
                              f"rising {columns[1]}s")  # fmt: skip
-        if last is not None and x[0, -1] != last:
-            raise ValueError(f"its last {columns[1]} is {x[0, -1]:g}, not the run's {last:,}")
         return table
 
 
@@ -785,8 +782,9 @@ def saved_config(saved: dict) -> Config:
 def check_episodes(run_dir: Path, config: Config, curves: dict, first: dict) -> None:
     """ValueError naming the file unless its numbers are ones the run could make: whole episode
     counts, a mean length (1 to the time limit) and return (0 to 1) where one ended, blank where
-    none did, its curve points and first episodes as many as the config says, each episode's
-    length within the limit and a seed's first episodes within its steps."""
+    none did, its curve points and first episodes as many as the config says, the last point at
+    its total steps, each episode's length within the limit and a seed's first episodes within
+    its steps."""
     limit = config.max_episode_steps or config.total_timesteps
     with reading(run_dir / "curves.csv"):
         episodes, length = curves["episodes"], curves["mean_episode_length"]
@@ -799,6 +797,8 @@ def check_episodes(run_dir: Path, config: Config, curves: dict, first: dict) -> 
         points = min(config.num_curve_points, count_blocks(config))
         if episodes.shape[1] != points:
             raise ValueError(f"it has {episodes.shape[1]} curve points, not the run's {points}")
+        if (last := curves["step"][0, -1]) != config.total_timesteps:
+            raise ValueError(f"its last step is {last:g}, not the run's {config.total_timesteps:,}")
     with reading(run_dir / "first_episodes.csv"):
         lengths = first["length"]  # [seeds, episodes]; 0: not ended
         if lengths.shape[1] != config.num_recorded_episodes:
@@ -827,7 +827,7 @@ def plot_run(run_dir: Path) -> Path:
             raise ValueError("it holds a value that is not a finite number")
         q = tables[0].reshape(env.num_cells, NUM_ACTIONS)  # seed 0's
     columns = ("seed", "step", "episodes", "mean_episode_length", "mean_return")
-    curves = read_csv(run_dir / "curves.csv", columns, n, last=config.total_timesteps)
+    curves = read_csv(run_dir / "curves.csv", columns, n)
     first = read_csv(run_dir / "first_episodes.csv", ("seed", "episode", "length"), n)
     check_episodes(run_dir, config, curves, first)
     fig = Figure(figsize=(18, 5), layout="tight")
