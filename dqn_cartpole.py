@@ -1561,7 +1561,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep_flags = ", ".join(flag(name) for name in HParams._fields)
     epilog = (
         f"Sweeps: {sweep_flags} each take a comma-separated list. Every combination (the first "
-        "of these flags changing slowest) trains --num-seeds seeds, all in one compiled call. "
+        "of these flags changing slowest) trains --num-seeds seeds, all in one compiled program. "
         "Every grid point uses the same seeds' keys, on purpose: common random numbers, so that "
         "a difference between grid points is not the luck of the draw."
     )
