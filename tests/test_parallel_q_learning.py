@@ -357,6 +357,16 @@ def test_episodes_count_those_the_time_limit_ends_too():
     np.testing.assert_array_equal(result.curve.episodes, [200, 200, 200])
 
 
+def test_a_truncated_step_bootstraps_from_the_cell_it_reached_and_a_terminal_one_does_not():
+    """On 'GS.' with one step per episode, random actions and learning rate 1 (the gridworld's
+    test, ported): left enters G (Q = 1, no bootstrap); up and down stay at S and are cut by the
+    time limit, so they bootstrap from S itself (Q = gamma * 1); right reaches a cell never acted
+    from (Q = 0). A time limit taken as terminal would leave up and down at 0."""
+    config = pq.Config(layout="GS.", max_episode_steps=1, total_timesteps=2_000, num_curve_points=1)
+    result = jax.jit(pq.make_train(config))(jax.random.key(0), pq.HParams(1.0, 1.0, 0.9))
+    np.testing.assert_allclose(np.asarray(result.q_table)[0, 1], [0.0, 0.9, 1.0, 0.9], rtol=1e-6)
+
+
 def test_epsilon_greedy_breaks_ties_uniformly_and_explores():
     high = jnp.arange(1 << 16, dtype=jnp.uint32) << pq.RANDOM_FIELD_BITS  # every high field
     q_s = jnp.array([0.0, 1.0, 0.0, 1.0])
@@ -386,6 +396,15 @@ def test_bad_maps_are_refused(text, message):
 
 
 # --- command line ------------------------------------------------------------------------------
+
+
+def test_the_grid_points_run_gamma_slowest_and_epsilon_fastest_each_in_its_field():
+    config = pq.Config(learning_rates=(0.1, 0.5), epsilons=(0.2, 0.3), gammas=(0.9, 0.99))
+    expected = [
+        (lr, eps, gamma) for gamma in (0.9, 0.99) for lr in (0.1, 0.5) for eps in (0.2, 0.3)
+    ]
+    assert [tuple(point) for point in pq.grid_points(config)] == expected
+    np.testing.assert_array_equal(pq.hparam_grid(config), np.float32(expected).T)
 
 
 def test_parse_float_list():

@@ -264,7 +264,9 @@ def test_epsilon_greedy_matches_distrax(q_s, epsilon):
 
 
 def test_terminal_step_does_not_bootstrap_but_truncated_one_does():
-    q = jnp.zeros((3, 4)).at[2].set(5.0)  # a large value at the next cell
+    # The next cell's best value, 5, is not that of the action taken (1): a bootstrap from
+    # Q(s', a) instead of max Q(s', .) reads 1.
+    q = jnp.zeros((3, 4)).at[2].set(jnp.array([0.0, 1.0, 5.0, 2.0]))
     kwargs = {"obs": 0, "action": 1, "reward": 1.0, "next_obs": 2, "learning_rate": 0.5}
     terminal = qlg.q_learning_update(q, terminated=True, gamma=0.9, **kwargs)
     assert float(terminal[0, 1]) == pytest.approx(0.5 * 1.0)
@@ -277,7 +279,8 @@ def test_update_uses_the_true_next_cell_not_the_reset_cell():
     """On 'GS.' with one step per episode, uniformly random actions and learning rate 1:
     left enters G (Q = 1); up and down stay at S and are truncated, so they bootstrap from
     S itself (Q = gamma * 1); right reaches a cell never acted from (Q = 0). Bootstrapping
-    from the reset cell S would make Q(S, right) = gamma, from a terminal Q(S, left) > 1."""
+    from the reset cell S would make Q(S, right) = gamma, from a terminal Q(S, left) > 1. Each
+    block draws new random words: the same words every block would repeat one share of left."""
     config = qlg.Config(
         layout="GS.", max_episode_steps=1, epsilon=1.0, learning_rate=1.0, initial_q=0.0, **SMALL
     )
@@ -290,6 +293,7 @@ def test_update_uses_the_true_next_cell_not_the_reset_cell():
     np.testing.assert_array_equal(metrics["mean_episode_length"], 1.0)
     np.testing.assert_array_equal(metrics["episode_length"], 1)
     assert 0.2 < metrics["mean_return"].mean() < 0.3
+    assert len(set(metrics["mean_return"].tolist())) > 1, metrics["mean_return"]
 
 
 def test_returns_are_counted_exactly_past_2_to_the_24():
@@ -456,6 +460,19 @@ def test_default_settings_learn_a_shortest_path(name):
             assert q_star[cell][action] == pytest.approx(q_star[cell].max())
             assert q[cell][action] == pytest.approx(q_star[cell].max(), rel=0.05)
             cell = reference_move(grid, *cell, action)
+
+
+@pytest.mark.parametrize("name", OPTIMALITY_MAPS)
+def test_the_scripts_value_iteration_is_this_files(name):
+    """The script's value_iteration, the yardstick its summary reports V*(S) and |V - V*| from,
+    equals the independent one above at every cell an agent can act from (not a wall, not G)."""
+    layout = OPTIMALITY_MAPS[name]
+    env = qlg.GridWorld(layout)
+    q_star = reference_q_star(layout, GAMMA)
+    theirs = qlg.value_iteration(env, GAMMA).reshape(q_star.shape)
+    grid = [line for line in layout.splitlines() if line]
+    acts = np.array([[x not in "#G" for x in line] for line in grid])  # [rows, cols]
+    np.testing.assert_allclose(theirs[acts], q_star[acts], atol=1e-9)
 
 
 @pytest.mark.parametrize("name", ["maze", "random_walls"])
