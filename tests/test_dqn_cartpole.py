@@ -184,6 +184,41 @@ def test_truncated_transition_bootstraps_and_terminated_does_not(double_dqn):
     np.testing.assert_allclose(target, [1.0 + 0.9 * bootstrap, 1.0])
 
 
+def test_double_dqn_lets_the_online_net_pick_the_next_action():
+    """dqn_loss passes td_target the online net's Q(s') under Double DQN: with an online and a
+    target net that pick other actions on some s', the two losses differ (picking with the
+    target net would make Double DQN plain DQN); with one net for both, they are the same."""
+    network = dqn.QNetwork((8,), 2)
+    keys = jax.random.split(jax.random.key(0), 4)
+    online, target = (network.init(k, jnp.zeros(4)) for k in keys[:2])
+    batch = dqn.Transition(
+        obs=jax.random.normal(keys[2], (64, 4)),
+        action=jnp.zeros(64, jnp.int32),
+        reward=jnp.ones(64),
+        next_obs=jax.random.normal(keys[3], (64, 4)),
+        terminated=jnp.zeros(64, bool),
+    )
+    picks = [network.apply(p, batch.next_obs).argmax(-1) for p in (online, target)]
+    assert (picks[0] != picks[1]).any()  # the nets disagree somewhere: the test can tell
+    loss = partial(dqn.dqn_loss, apply_fn=network.apply, batch=batch, gamma=0.99)
+    assert loss(online, target, double_dqn=True) != loss(online, target, double_dqn=False)
+    assert loss(online, online, double_dqn=True) == loss(online, online, double_dqn=False)
+
+
+# ---------------------------------------------------------------- network
+
+
+def test_layer_norm_comes_between_each_dense_and_its_relu():
+    """A LayerNorm right after a Dense cancels any shift its units share: adding 3 to the first
+    Dense's bias leaves Q as it was (a LayerNorm after the ReLU would not)."""
+    network = dqn.QNetwork((16, 16), 2, layer_norm=True)
+    params = network.init(jax.random.key(0), jnp.zeros(4))
+    bias = params["params"]["Dense_0"]["bias"]
+    shifted = jax.tree.map(lambda x: x + 3.0 if x is bias else x, params)
+    obs = jax.random.normal(jax.random.key(1), (32, 4))
+    np.testing.assert_allclose(network.apply(shifted, obs), network.apply(params, obs), atol=1e-4)
+
+
 # ---------------------------------------------------------------- train: keys and seeds
 
 
@@ -561,6 +596,57 @@ def test_cpu_runs_seeds_in_cache_sized_batches():
     plan = dqn.plan_seeds(config.num_seeds, bytes_per_seed(config))
     assert plan.num_devices == 2
     assert plan.seeds_per_batch == dqn.CPU_SEEDS_PER_BATCH  # not all 2 * 16 at once
+
+
+class FiveStepCartPole(dqn.CartPole):
+    default_params = dqn.EnvParams(max_steps_in_episode=5)
+
+
+def test_a_step_cut_by_the_time_limit_is_stored_as_not_terminal():
+    """Episodes of 5 steps that the time limit ends (the pole cannot fall that soon): the buffer
+    keeps terminated False for every one of them, so their targets bootstrap."""
+    config = dataclasses.replace(TINY, total_timesteps=50, eval_every=50, learning_starts=50)
+    network = dqn.QNetwork(config.hidden_sizes, 2, config.layer_norm)
+    init, run_blocks = dqn.make_blocks(config, FiveStepCartPole(), network)
+    hp = jax.tree.map(jnp.float32, config.hparams())
+    carry, _ = jax.jit(init)(jax.random.key(0), hp)
+    carry, metrics = jax.jit(run_blocks, static_argnums=3)(carry, hp, jnp.arange(1), 50)
+    assert int(metrics["episodes"][0]) == 10  # all cut at 5 steps
+    assert not np.asarray(carry.buffer.data.terminated[:50]).any()
+
+
+class PaysItsAction(dqn.CartPole):
+    """CartPole that pays 1 for action 1 (push right) and 0 for action 0."""
+
+    def step(self, key, state, action, params=None):
+        obs, state, _, terminated, truncated, info = super().step(key, state, action, params)
+        return obs, state, jnp.float32(action), terminated, truncated, info
+
+
+class PrefersAction0(flax.linen.Module):
+    """Q = [1, 0] whatever the observation; its Dense only gives the optimizer params to hold."""
+
+    @flax.linen.compact
+    def __call__(self, obs):
+        return flax.linen.Dense(2)(obs) * 0.0 + jnp.array([1.0, 0.0])
+
+
+def test_exploration_ends_at_its_fraction_of_the_run():
+    """epsilon 1 -> 0 over the first 40% of 2,000 steps, no update: a greedy action (0) pays 0,
+    a random one 1 half the time. The first block's episodes earn something, the second's
+    (steps 1,000 to 2,000, epsilon 0 since step 800) nothing."""
+    config = dataclasses.replace(
+        TINY,
+        total_timesteps=2_000,
+        eval_every=1_000,
+        learning_starts=2_000,
+        exploration_fraction=0.4,
+        epsilon_start=1.0,
+        epsilon_end=0.0,
+    )
+    train = dqn.make_train(config, PaysItsAction(), PrefersAction0())
+    returns = np.asarray(jax.jit(train)(jax.random.key(0))["metrics"]["train_return"])
+    assert returns[1] > 0 and returns[2] == 0.0, returns
 
 
 def test_short_run_beats_a_random_policy():
