@@ -1526,25 +1526,32 @@ def join_cluster(args) -> None:
 
 
 def check_same_flags(config: Config, points: list, modes: dict) -> None:
-    """ValueError naming a flag whose value differs between the processes of a cluster: each
-    would train its share of the agents with its own value (or JAX abort on another shape).
-    `modes` first: --resume (the blocks done) or --load given to some processes only made them
-    wait for each other's programs, for ever, deaf to signals."""
-    values = modes | dataclasses.asdict(config)
-    values.pop("output_dir")
-    values |= {name: [point[name] for point in points] for name in HParams._fields}  # the lists
+    """ValueError naming a flag or setting whose value differs between the processes of a
+    cluster: each would train its share of the agents with its own value (or JAX abort on another
+    shape, or gloo on another dtype). `modes` first: --resume (the blocks done) or --load given to
+    some processes only made them wait for each other's programs, for ever, deaf to signals; a
+    --checkpoint-every of some only, gather for a checkpoint that the others never write."""
+    if jax.device_count() != jax.process_count() * jax.local_device_count():  # no gather can run
+        coordinator_ends_last()
+        raise ValueError("the processes have other numbers of devices; give all the same")
+    values = {flag(k): v for k, v in (modes | dataclasses.asdict(config)).items()}
+    values.pop("--output-dir")
+    values |= {flag(name): [point[name] for point in points] for name in HParams._fields}
+    values["JAX_ENABLE_X64"] = jax.config.jax_enable_x64  # float64 arrays against float32
     digests = np.array([[zlib.crc32(repr(v).encode()) for v in values.values()]], np.uint32)
     every = gather(digests)  # [processes, flags]
     if not (same := (every == every[0]).all(axis=0)).all():
         name = list(values)[int(np.argmin(same))]  # the first that differs
         coordinator_ends_last()
-        raise ValueError(f"{flag(name)} differs between the processes; give all the same")
+        raise ValueError(f"{name} differs between the processes; give all the same")
 
 
 def coordinator_ends_last() -> None:
     """Before every process ends with the same error: JAX aborts a process that its coordinator,
-    process 0, ends before, and the watcher would then print its own line instead."""
-    multihost_utils.sync_global_devices("every process ends")
+    process 0, ends before, and the watcher would then print its own line instead. A process
+    that has ended already (another script, say) is no error here: this one's line follows."""
+    with contextlib.suppress(jax.errors.JaxRuntimeError, ValueError):  # gloo raises the latter
+        multihost_utils.sync_global_devices("every process ends")
     if jax.process_index() == 0:
         time.sleep(2)  # the others exit meanwhile (a fraction of a second)
 
@@ -2123,6 +2130,10 @@ def main(argv: list[str] | None = None) -> None:
         check_backend()
         if jax.process_count() > 1:
             modes = {"resume": checkpoint and checkpoint[0], "load": bool(args.load)}
+            modes |= {
+                "checkpoint_every": args.checkpoint_every,
+                "num_processes": args.num_processes,
+            }
             check_same_flags(config, points, modes)
         if jax.process_index() > 0:  # process 0 reports and writes for the whole cluster
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115

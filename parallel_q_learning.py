@@ -1447,6 +1447,9 @@ def join_cluster(coordinator_address, num_processes, process_id, cluster_timeout
 def check_same_flags(config: Config) -> None:
     """One line naming a flag whose value differs between the processes of a cluster: each would
     train its share of the agents with its own value (or JAX abort on another shape)."""
+    if jax.device_count() != jax.process_count() * jax.local_device_count():  # no gather can run
+        coordinator_ends_last()
+        fail("the processes have other numbers of devices; give all the same")
     values = {name: v for name, v in dataclasses.asdict(config).items() if name != "output_dir"}
     digests = np.array([[zlib.crc32(repr(v).encode()) for v in values.values()]], np.uint32)
     try:
@@ -1461,8 +1464,10 @@ def check_same_flags(config: Config) -> None:
 
 def coordinator_ends_last() -> None:
     """Before every process ends with the same error: JAX aborts a process that its coordinator,
-    process 0, ends before, and the watcher would then print its own line instead."""
-    multihost_utils.sync_global_devices("every process ends")
+    process 0, ends before, and the watcher would then print its own line instead. A process
+    that has ended already (another script, say) is no error here: this one's line follows."""
+    with contextlib.suppress(jax.errors.JaxRuntimeError, ValueError):  # gloo raises the latter
+        multihost_utils.sync_global_devices("every process ends")
     if jax.process_index() == 0:
         time.sleep(2)  # the others exit meanwhile (a fraction of a second)
 

@@ -868,9 +868,10 @@ def test_process_0_alone_is_one_line_once_the_cluster_timeout_passes(tmp_path, c
 LONG_CLUSTER_ARGS = [*TINY_ARGS, "--total-timesteps", "20000"]
 
 
-def launch_cluster(tmp_path, argv: list[str], only_1=()) -> list[subprocess.Popen]:
+def launch_cluster(tmp_path, argv: list[str], only_1=(), env_1=None) -> list[subprocess.Popen]:
     """Processes 0 and 1 of a cluster on 127.0.0.1, one CPU device each, writing to
-    tmp_path/process<i>; `only_1`: flags given to process 1 alone, last."""
+    tmp_path/process<i>; `only_1`: flags given to process 1 alone, last; `env_1`: its environment
+    variables."""
     cluster = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
     flags = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=1"  # the last wins
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}  # on a GPU machine too
@@ -881,7 +882,7 @@ def launch_cluster(tmp_path, argv: list[str], only_1=()) -> list[subprocess.Pope
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=env,
+            env=env | (env_1 or {}) if i == 1 else env,
             cwd=dqn.__file__.rsplit("/", 1)[0],
         )
         for i in range(2)
@@ -926,23 +927,41 @@ def test_a_process_that_dies_stops_the_other_with_one_line(tmp_path, victim):
     assert not (tmp_path / "process0" / "summary.json").exists()
 
 
-def test_processes_given_other_flags_are_one_line_before_training(tmp_path):
+DIFFERS = "differs between the processes"
+
+
+@pytest.mark.parametrize(
+    ("only_1", "env_1", "line"),
+    [
+        (["--learning-rate", "0.05", "--hidden-sizes", "32"], {}, f"--learning-rate {DIFFERS}"),
+        (["--checkpoint-every", "500"], {}, f"--checkpoint-every {DIFFERS}"),
+        ([], {"JAX_ENABLE_X64": "1"}, f"JAX_ENABLE_X64 {DIFFERS}"),
+        (
+            [],
+            {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+            "the processes have other numbers of devices",
+        ),
+    ],
+    ids=["flags", "checkpoint-every", "x64", "devices"],
+)
+def test_processes_given_other_flags_are_one_line_before_training(tmp_path, only_1, env_1, line):
     """Process 1 given another learning rate and width: it would train its share of the agents
     with its own values (the width: JAX would abort on the other shape, a C++ trace from gloo).
-    One line in both, naming the first flag that differs, exit 2, nothing written."""
-    only_1 = ["--learning-rate", "0.05", "--hidden-sizes", "32"]
-    assert_each_says_differs(launch_cluster(tmp_path, TINY_ARGS, only_1), "--learning-rate")
+    Likewise another --checkpoint-every (both died at process 0's first checkpoint, its gather,
+    each blaming the other), JAX_ENABLE_X64 (gloo aborted on float64 arrays, after training) or
+    number of devices (a reshape error in the first gather). One line in both, naming the first
+    that differs, exit 2, nothing written (found by adversarial passes)."""
+    assert_each_says_differs(launch_cluster(tmp_path, TINY_ARGS, only_1, env_1), line)
     assert not any(tmp_path.iterdir())
 
 
-def assert_each_says_differs(processes: list[subprocess.Popen], name: str) -> None:
+def assert_each_says_differs(processes: list[subprocess.Popen], line: str) -> None:
     """Every process of the cluster ends with exit 2 and one line naming the flag, no traceback."""
     for process in processes:
         _, err = process.communicate(timeout=120)
         last = err.strip().splitlines()[-1]
         assert process.returncode == 2 and "Traceback" not in err, err
-        assert last == f"dqn_cartpole.py: error: {name} differs between the processes; give " \
-            "all the same", err  # fmt: skip
+        assert last == f"dqn_cartpole.py: error: {line}; give all the same", err
 
 
 def test_load_given_to_one_process_of_a_cluster_is_one_line(tmp_path):
@@ -952,7 +971,7 @@ def test_load_given_to_one_process_of_a_cluster_is_one_line(tmp_path):
     run = tmp_path / "run"
     dqn.main([*TINY_ARGS, "--output-dir", str(run)])
     processes = launch_cluster(tmp_path, [], ["--load", str(run)])  # 0: the default run
-    assert_each_says_differs(processes, "--load")
+    assert_each_says_differs(processes, f"--load {DIFFERS}")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]
 
 

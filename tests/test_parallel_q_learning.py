@@ -816,9 +816,10 @@ def test_process_0_alone_is_one_line_once_the_cluster_timeout_passes(tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
-def launch_cluster(tmp_path, argv: list[str], only_1=()) -> list[subprocess.Popen]:
+def launch_cluster(tmp_path, argv: list[str], only_1=(), env_1=None) -> list[subprocess.Popen]:
     """Processes 0 and 1 of a cluster on 127.0.0.1, one CPU device each, writing to
-    tmp_path/process<i>; `only_1`: flags given to process 1 alone, last."""
+    tmp_path/process<i>; `only_1`: flags given to process 1 alone, last; `env_1`: its environment
+    variables."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -832,7 +833,7 @@ def launch_cluster(tmp_path, argv: list[str], only_1=()) -> list[subprocess.Pope
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=env,
+            env=env | (env_1 or {}) if i == 1 else env,
         )  # fmt: skip
         for i in range(2)
     ]
@@ -1174,18 +1175,30 @@ def test_a_signal_in_the_progress_callback_is_one_line(tmp_path):
     assert not output.exists() or not any(output.iterdir())
 
 
-def test_processes_given_other_flags_are_one_line_before_training(tmp_path):
+@pytest.mark.parametrize(
+    ("only_1", "env_1", "line"),
+    [
+        (["--learning-rates", "0.1,0.5,0.9"], {}, "--learning-rates differs between the processes"),
+        (
+            [],
+            {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+            "the processes have other numbers of devices",
+        ),
+    ],
+    ids=["flags", "devices"],
+)
+def test_processes_given_other_flags_are_one_line_before_training(tmp_path, only_1, env_1, line):
     """Process 1 given another list of learning rates: JAX would abort on the other shape (a
     C++ trace from gloo), and another value of the same shape would silently train process 1's
-    share of the agents with it. One line in both, naming the flag, exit 2, nothing written."""
+    share of the agents with it. Or two devices to process 0's one: process 0 failed in its
+    first gather and process 1 blamed process 0 (found by an adversarial pass). One line in both,
+    naming what differs, exit 2, nothing written."""
     argv = ["--num-seeds", "3", "--total-timesteps", "2000"]
-    processes = launch_cluster(tmp_path, argv, only_1=["--learning-rates", "0.1,0.5,0.9"])
-    for process in processes:
+    for process in launch_cluster(tmp_path, argv, only_1, env_1):
         _, err = process.communicate(timeout=120)
         last = err.strip().splitlines()[-1]
         assert process.returncode == 2 and "Traceback" not in err, err
-        assert last == "parallel_q_learning.py: error: --learning-rates differs between the " \
-            "processes; give all the same", err  # fmt: skip
+        assert last == f"parallel_q_learning.py: error: {line}; give all the same", err
     assert not any(tmp_path.iterdir())
 
 
