@@ -27,6 +27,7 @@ import cli  # next to this file: the benchmarks' flags
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = ("--output-dir", "--coordinator-address", "--num-processes", "--process-id")
+NOT_TRAINING = ("--load", "--resume", "--replot")  # the script's modes that time no training
 
 
 def free_port() -> int:
@@ -73,6 +74,12 @@ def main() -> None:
             cli.fail(
                 f"the script's {', '.join(OURS)} are set here, for each layout; leave out {arg}"
             )
+        if (
+            name.startswith("--")
+            and len(name) > 2
+            and any(f.startswith(name) for f in NOT_TRAINING)
+        ):
+            cli.fail(f"this times training, which {arg} does not run; leave it out")
     layouts = {"1 process x 2 devices": 1, "2 processes x 1 device": 2}
     rates = {name: [] for name in layouts}
     walls = {name: [] for name in layouts}

@@ -28,6 +28,9 @@ BAD = {  # benchmark and arguments: the flag its one line must name
     # The script's own line (it was two lines, the second the script's, exit 1)
     "two_processes.py parallel_q_learning.py --repeats 1 --num-seeds 0": "--num-seeds",
     "two_processes.py parallel_q_learning.py --output-dir x": "--output-dir",  # was overridden
+    # It timed one layout, then a traceback: --load writes no summary.json to read a rate from
+    "two_processes.py dqn_cartpole.py --load x": "which --load does not run",
+    "two_processes.py dqn_cartpole.py --resume=x": "which --resume=x does not run",
     # ours refuses first, by its own check (it was a memory refusal: a large machine ran it)
     "dqn_cartpole.py --timesteps 2147483648 --repeats 1": "--total-timesteps must be below 2^31",
     "dqn_segments.py --seeds 2147483648 --timesteps 600 --repeats 1": "seeds must be below 2^31",
