@@ -25,6 +25,7 @@ import gymnasium
 import gymnax
 import jax
 import jax.numpy as jnp
+import matplotlib.animation
 import msgpack
 import numpy as np
 import pytest
@@ -1194,6 +1195,84 @@ def test_scores_with_and_without_a_solved_return():
         assert 20 <= low <= high <= 500
         curve = dqn.training_scores(final[:, None], np.array([1_000]), 475.0, seed)["curve"]
         assert curve["ci95_low"][0] == low and curve["ci95_high"][0] == high
+
+
+def test_iqm_is_the_mean_of_the_middle_half():
+    """A quarter (rounded down) cut from each end: one more cut from the bottom read 3.0 for
+    the first; per column along the axis given."""
+    assert dqn.iqm(np.array([1.0, 2.0, 3.0, 100.0]), axis=0) == 2.5
+    assert dqn.iqm(np.array([0.0, 1.0, 2.0, 6.0, 100.0]), axis=0) == 3.0  # n 5: cut 1 each end
+    columns = np.array([[4.0, 0.0], [1.0, 9.0], [3.0, 1.0], [2.0, 2.0]])
+    np.testing.assert_array_equal(dqn.iqm(columns, axis=0), [2.5, 1.5])
+
+
+def test_the_iqms_ci_is_the_2_5_and_97_5_percentiles_of_a_bootstrap_over_all_seeds():
+    """bootstrap_iqm: BOOTSTRAP_SAMPLES resamplings of the seeds with replacement (every seed can
+    be drawn, the last one too), the 2.5th and 97.5th percentiles of their IQMs: a 95% interval,
+    with 2.5% of the bootstrap IQMs beyond each end (percentiles of 5 and 95 passed the suite)."""
+    values = np.array([3.0, 9.0, 1.0, 7.0, 5.0, 8.0, 2.0, 500.0, 6.0, 4.0, 0.0, 450.0])
+    value, low, high = dqn.bootstrap_iqm(values, seed=3)
+    n = len(values)
+    resampled = values[np.random.default_rng(3).integers(0, n, size=(dqn.BOOTSTRAP_SAMPLES, n))]
+    middle = np.sort(resampled, axis=1)[:, n // 4 : n - n // 4].mean(axis=1)
+    assert value == np.sort(values)[3:9].mean()
+    assert (low, high) == pytest.approx(np.percentile(middle, [2.5, 97.5]), rel=1e-12)
+    assert np.mean(middle < low) <= 0.025 and np.mean(middle > high) <= 0.025
+    assert np.mean(middle <= low) >= 0.02 and np.mean(middle >= high) >= 0.02
+
+
+def test_a_return_equal_to_the_solved_return_counts_as_solved():
+    """Gymnasium's reward_threshold is reached at >=: a CartPole mean return of exactly 475
+    (10 episodes, say 9 x 500 + 225) solves it."""
+    scored = dqn.scores(np.array([475.0, 474.9, 500.0, 0.0]), 475.0, seed=0)
+    assert scored["solved_fraction"] == 0.5
+    assert scored["solved_ci95"] == pytest.approx(dqn.wilson_interval(2, 4))
+
+
+def test_solved_along_the_way_is_of_the_best_evaluation_and_the_final_of_the_last():
+    """A seed that solved at its second evaluation and then fell: solved along the way, not at
+    the end; the final scores are the last column, the best ones each seed's maximum (taken
+    from the last evaluation, the share along the way passed the suite)."""
+    returns = np.array([[10.0, 480.0, 300.0], [10.0, 20.0, 30.0], [10.0, 490.0, 500.0]])
+    scored = dqn.training_scores(returns, np.array([0, 500, 1_000]), 475.0, seed=0)
+    assert scored["final_eval_return"] == [300.0, 30.0, 500.0]
+    assert scored["best_eval_return"] == [480.0, 30.0, 500.0]
+    assert scored["solved_fraction"] == pytest.approx(1 / 3)
+    assert scored["solved_along_the_way"] == pytest.approx(2 / 3)
+
+
+def test_grid_points_rank_by_solved_share_before_iqm():
+    """A point that solves more seeds ranks above one with a higher IQM but fewer solved; the
+    IQM orders equal shares, and a share of None (no solved return) counts as none solved."""
+
+    def result(share, iqm):
+        return {"solved_fraction": share, "iqm": {"value": iqm}}
+
+    results = [result(0.2, 490.0), result(0.9, 300.0), result(0.9, 400.0), result(None, 500.0)]
+    assert dqn.ranked(results) == [2, 1, 0, 3]
+
+
+def test_render_draws_the_agent_with_the_median_final_return(tmp_path, monkeypatch):
+    """--render's GIF is of the median agent (returns 5, 1, 3, 9, 7: agent 0, with 5), not the
+    worst or the best; its title names it."""
+    titles = []
+
+    class Animation:  # draws frame 0 and writes a stub file instead of a GIF
+        def __init__(self, fig, draw, frames):
+            draw(0)
+            titles.append(fig.axes[0].get_title())
+
+        def save(self, path, writer):
+            Path(path).write_bytes(b"GIF")
+
+    monkeypatch.setattr(matplotlib.animation, "FuncAnimation", Animation)
+    env = dqn.CartPole()
+    network = dqn.QNetwork((8,), env.num_actions)
+    keys = jax.random.split(jax.random.key(0), 5)
+    params = jax.vmap(network.init, in_axes=(0, None))(keys, jnp.zeros(4))
+    returns = np.array([5.0, 1.0, 3.0, 9.0, 7.0])
+    dqn.render_median(dqn.Config(), env, network, params, returns, tmp_path / "render.gif")
+    assert titles and titles[0].startswith("agent 0:"), titles
 
 
 def test_train_without_hparams_trains_with_the_configs(tiny_keys):
