@@ -334,6 +334,37 @@ def test_the_summarys_shares_are_of_seeds_with_a_wilson_interval_and_of_training
         assert row["greedy_path_optimal_fraction"]["ci95"][1] > 0  # not zero-wide at 0%
 
 
+def test_the_summarys_means_have_a_normal_interval_of_the_sample_sd_and_errors_are_absolute():
+    """One grid point of 4 seeds x 3 curve points: greedy_path_length is the last point's mean,
+    1.96 sample SDs (n - 1) over sqrt(n) either side, not the best point's; start_value_abs_error
+    is |V(S) - V*(S)|, so that seeds above V* and below it do not cancel out; 2 of 4 seeds end on
+    a shortest path, though 3 were on one before. (ddof 0, a signed error and the best path
+    length each passed the suite.)"""
+    config = dataclasses.replace(SMALL, num_seeds=4, num_curve_points=3, rng_block_steps=1_000)
+    config = dataclasses.replace(config, learning_rates=(0.1,), epsilons=(0.1,), gammas=(0.9,))
+    env = pq.make_env(config.layout)
+    s = env.shortest_path
+    paths = np.array([[s + 9, s, s + 2], [s + 9, s + 5, s], [s, s, s + 4], [s + 7, s, s]])
+    v_star = float(pq.value_iteration(env, 0.9)[env.start].max())
+    offsets = np.array([0.1, -0.1, 0.3, -0.3])
+    start_value = np.repeat((v_star + offsets)[:, None], 3, axis=1).astype(np.float32)
+    curve = pq.Curve(
+        episodes=np.zeros((1, 4, 3), np.float32),
+        greedy_path_length=paths[None],
+        start_value=start_value[None],
+    )
+    plan = pq.make_step_plan(config)
+    (row,) = pq.summarize_grid(config, env, plan, pq.TrainResult(q_table=None, curve=curve))
+    final = paths[:, -1].astype(float)
+    half = 1.96 * final.std(ddof=1) / 2
+    assert row["greedy_path_length"]["mean"] == pytest.approx(final.mean())
+    assert row["greedy_path_length"]["ci95"] == pytest.approx(
+        [final.mean() - half, final.mean() + half]
+    )
+    assert row["start_value_abs_error"]["mean"] == pytest.approx(0.2, abs=1e-6)
+    assert row["greedy_path_optimal_fraction"]["mean"] == 0.5
+
+
 # --- environment and agent pieces ----------------------------------------------------------------
 
 

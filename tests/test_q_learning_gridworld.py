@@ -475,6 +475,36 @@ def test_the_scripts_value_iteration_is_this_files(name):
     np.testing.assert_allclose(theirs[acts], q_star[acts], atol=1e-9)
 
 
+def test_the_summary_measures_each_seeds_path_and_value_against_the_optimum():
+    """On 'S.G / ...' (shortest path 2 steps): a seed greedy on Q*/2 walks the shortest path and
+    has V(S) = V*(S)/2, a relative error of 0.5 (of V*, not of V(S): 1.0); a seed that detours
+    (down, right, right, up: 4 steps) reaches G but is not optimal (any path to G counted as
+    optimal passed the suite)."""
+    layout = "S.G\n...\n"
+    env, config = qlg.GridWorld(layout), qlg.Config(layout=layout, num_seeds=2, gamma=0.9)
+    detour = np.zeros((env.num_cells, 4))
+    for cell, action in ((0, DOWN), (3, RIGHT), (4, RIGHT), (5, UP)):
+        detour[cell, action] = 1.0
+    q_values = np.stack([qlg.value_iteration(env, 0.9) / 2, detour]).astype(np.float32)
+    summary = qlg.summarize(config, env, q_values, {"train_time_s": 1.0})
+    optimal, detoured = summary["seeds"]
+    assert optimal["shortest_path_length"] == 2 and optimal["greedy_path_length"] == 2
+    assert optimal["v_star_start"] == pytest.approx(0.9)  # gamma^(shortest - 1)
+    assert optimal["v_start_relative_error"] == pytest.approx(0.5)
+    assert detoured["greedy_path_length"] == 4 and summary["optimal_seeds"] == 1
+    assert qlg.greedy_path(env, detour) == [0, 3, 4, 5, 2]
+
+
+def test_the_greedy_path_takes_the_first_maximum_on_ties():
+    """As its docstring says: at S right and down tie, and right leads to G in 2 steps; the last
+    maximum went down, into a row of zeros, and looped (no path)."""
+    env = qlg.GridWorld("S.G\n...\n")
+    q = np.zeros((env.num_cells, 4))
+    q[0, [RIGHT, DOWN]] = 1.0
+    q[1, RIGHT] = 1.0
+    assert qlg.greedy_path(env, q) == [0, 1, 2]
+
+
 @pytest.mark.parametrize("name", ["maze", "random_walls"])
 def test_uniform_exploration_learns_the_whole_table(name):
     """Q-learning is off-policy: acting uniformly at random, every reachable (state, action)
@@ -833,6 +863,25 @@ def test_replot_of_a_run_with_a_damaged_file_is_one_line(saved_run, tmp_path, da
     assert f"cannot redraw ({damaged}: " in lines[0], lines  # numpy's own words named no file
     if damaged == "curves.csv":
         assert "cannot redraw (curves.csv: it holds no rows)" in lines[0], lines
+
+
+def test_replot_takes_episodes_as_long_as_the_time_limit(tmp_path):
+    """With --max-episode-steps 10, a run whose episodes the limit cuts has mean lengths of
+    exactly 10: its own numbers, which check_episodes takes (the limit itself refused passed the
+    suite), and refuses 10.5."""
+    config = qlg.Config(total_timesteps=1_000, steps_per_block=100, num_curve_points=10,
+                        max_episode_steps=10, num_recorded_episodes=3)  # fmt: skip
+    curves = {
+        "episodes": np.full((1, 10), 10.0),
+        "mean_episode_length": np.full((1, 10), 10.0),
+        "mean_return": np.zeros((1, 10)),
+        "step": np.arange(100.0, 1_001.0, 100.0)[None],
+    }
+    first = {"length": np.full((1, config.num_recorded_episodes), 10.0)}
+    qlg.check_episodes(tmp_path, config, curves, first)
+    curves["mean_episode_length"][0, 3] = 10.5
+    with pytest.raises(ValueError, match="its episodes and means are not ones a run makes"):
+        qlg.check_episodes(tmp_path, config, curves, first)
 
 
 def test_replot_refuses_saved_files_that_do_not_hold_together(saved_run, tmp_path, capsys):
