@@ -466,6 +466,7 @@ import sys
 import time
 import zipfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 import flax
@@ -801,6 +802,10 @@ def with_gaps(metrics: dict) -> dict:
     return metrics
 
 
+class ClusterLost(SystemExit):
+    """gather's one line, exit 1: another process of the cluster stopped."""
+
+
 def gather(out):
     """Every agent's result on every process, also the shards other processes computed. A
     process that died is one line here, not a hang (JAX recovers, see join_cluster)."""
@@ -808,7 +813,9 @@ def gather(out):
         return multihost_utils.process_allgather(out, tiled=True)
     except (jax.errors.JaxRuntimeError, ValueError) as error:  # gloo raises the latter
         reason = str(error).splitlines()[0][:160]
-        sys.exit(f"dqn_cartpole.py: error: another process of the cluster stopped ({reason})")
+        raise ClusterLost(
+            f"dqn_cartpole.py: error: another process of the cluster stopped ({reason})"
+        ) from None
 
 
 class Progress:
@@ -1756,6 +1763,21 @@ class StopRequest:
         return int(gather(signum).max()) if jax.process_count() > 1 else int(signum[0])
 
 
+def checkpoint_or_warn(output: Path, run: dict, state: tuple, say: Callable, stopping: bool):
+    """save_checkpoint of `state` (blocks done, carry, metrics). One that cannot be written (a
+    full disk, a file size limit) does not end the run: the trained agents are worth more, and
+    its final files are far smaller (no replay buffers, target networks or optimizer states).
+    For a stop, they are written as they stand, without a checkpoint to go on from."""
+    try:
+        with writing(output):
+            save_checkpoint(output, run, *state)
+    except OSError as error:
+        then = "the run so far is saved without it" if stopping else "training goes on"
+        warning = f"dqn_cartpole.py: warning: cannot write {output / CHECKPOINT} "
+        warning += f"({error.strerror or error}); {then}"
+        say(warning.translate(ESCAPED))  # one line, as fail's
+
+
 def run_training(config, points, env, network, plan, environment, output, checkpoint_every,
                  start=None, render=False):  # fmt: skip
     """Train every agent (grid point x seed), saving a checkpoint every `checkpoint_every` steps
@@ -1783,29 +1805,23 @@ def run_training(config, points, env, network, plan, environment, output, checkp
         )
         progress = Progress(num_agents, first, config.total_timesteps)  # a terminal's bar, drawn
         blocks = train_agents(config, env, network, config.seed, grid, plan, start, timings)
-        for done, carry, metrics in blocks:
-            steps, signum = int(metrics["step"][0, -1]), stop.asked()
-            progress(steps, timings["train_time_s"])
-            stopping = signum > 0 and steps < config.total_timesteps  # in the last block: it ended
-            due = checkpoint_every and steps - saved >= checkpoint_every
-            if (stopping or due) and steps < config.total_timesteps:  # an ended run has no use
-                clock = time.perf_counter()
-                # One that cannot be written (a full disk, a file size limit) does not end the
-                # run: the trained agents are worth more, and its final files are far smaller
-                # (no replay buffers, target networks or optimizer states). For a stop, they are
-                # written as they stand, without a checkpoint to go on from.
-                try:
-                    with writing(output):
-                        save_checkpoint(output, run, done, carry, metrics)
-                except OSError as error:
-                    then = "the run so far is saved without it" if stopping else "training goes on"
-                    warning = f"dqn_cartpole.py: warning: cannot write {output / CHECKPOINT} "
-                    warning += f"({error.strerror or error}); {then}"
-                    progress.say(warning.translate(ESCAPED))  # one line, as fail's
-                timings["checkpoint_time_s"] += time.perf_counter() - clock
-                saved = steps
-            if stopping:
-                break
+        try:
+            for done, carry, metrics in blocks:
+                steps, signum = int(metrics["step"][0, -1]), stop.asked()
+                progress(steps, timings["train_time_s"])
+                stopping = signum > 0 and steps < config.total_timesteps  # the last block: ended
+                due = checkpoint_every and steps - saved >= checkpoint_every
+                if (stopping or due) and steps < config.total_timesteps:  # an ended run: no use
+                    clock = time.perf_counter()
+                    checkpoint_or_warn(output, run, (done, carry, metrics), progress.say, stopping)
+                    timings["checkpoint_time_s"] += time.perf_counter() - clock
+                    saved = steps
+                if stopping:
+                    break
+        except ClusterLost as error:  # process 0 says which checkpoint stays, if one does
+            if jax.process_index() > 0 or not saved:
+                raise
+            raise ClusterLost(f"{error.code}; {stop_hint(output, saved)}") from None
     if stop.signum and not stopping:  # asked in the last block: the run ended, and stops written
         signal.raise_signal(stop.signum)  # to the handler of main's written_whole, which holds it
     progress.close()
@@ -2292,7 +2308,10 @@ def resume_hint(output: Path) -> str:
     if sys.executable and os.sep not in python:  # a bare name would be looked up on PATH
         python = os.path.join(".", python)
     command = [python, from_here(__file__), "--resume", from_here(str(output))]
-    return f"to go on: {shlex.join(command)}"
+    hint = f"to go on: {shlex.join(command)}"
+    if jax.distributed.is_initialized() and jax.process_count() > 1:  # fewer devices: other bits
+        hint += f" (on each of the {jax.process_count()} processes, as they were started)"
+    return hint
 
 
 # A message's control characters (a newline in a folder's name) shown escaped: still one line.
