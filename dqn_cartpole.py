@@ -1434,6 +1434,21 @@ def render_median(config: Config, env, network, params, returns: np.ndarray, pat
     plt.close(fig)
 
 
+KNOCK = "jax-cluster-knock"  # what a process sends process 0's probe, then its id
+
+
+def read_knock(connection: socket.socket) -> int | None:
+    """The process id a knock on the probe sends, or None for any other connection."""
+    with connection:
+        connection.settimeout(1)
+        try:
+            words = connection.recv(64).decode(errors="replace").split()
+        except OSError:  # said nothing within a second
+            return None
+    ok = len(words) == 2 and words[0] == KNOCK and words[1].isascii() and words[1].isdigit()
+    return int(words[1]) if ok else None
+
+
 def check_coordinator(address: str, process_id: int, num_processes: int, timeout: float) -> None:
     """One-line errors for a cluster that cannot form: JAX would abort with a C++ trace. Process 0
     must be able to listen on the port; the others knock there, waiting up to `timeout` s for it
@@ -1458,19 +1473,24 @@ def check_coordinator(address: str, process_id: int, num_processes: int, timeout
             except OSError as error:
                 raise ValueError(f"{given}: cannot listen ({error})") from None
             probe.listen()
-            for knocked in range(num_processes - 1):
+            knocked = set()  # by process id: JAX's own client, that of a process that knocked,
+            while len(knocked) < num_processes - 1:  # may come here too, and is not a process
                 probe.settimeout(max(deadline - time.monotonic(), 1e-3))
                 try:
-                    probe.accept()[0].close()
+                    who = read_knock(probe.accept()[0])
                 except OSError:  # the time-out
                     raise ValueError(
-                        f"{given}: {knocked} of the {num_processes - 1} other processes came "
-                        f"within {timeout:g} s (--cluster-timeout); are they all running?"
+                        f"{given}: {len(knocked)} of the {num_processes - 1} other processes "
+                        f"came within {timeout:g} s (--cluster-timeout); are they all running?"
                     ) from None
+                if who in knocked:
+                    raise ValueError(f"--process-id {who} was given to two processes")
+                knocked |= {who} - {None}
         return
     while True:
         try:
-            socket.create_connection((host, int(port)), timeout=1).close()
+            with socket.create_connection((host, int(port)), timeout=1) as knock:
+                knock.sendall(f"{KNOCK} {process_id}\n".encode())
             return
         except OSError:
             if time.monotonic() > deadline:

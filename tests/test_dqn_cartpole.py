@@ -17,6 +17,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from functools import partial
 from pathlib import Path
 
@@ -863,6 +865,43 @@ def test_process_0_alone_is_one_line_once_the_cluster_timeout_passes(tmp_path, c
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
     assert "0 of the 1 other processes came within 1 s (--cluster-timeout)" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("knocks", "problem"),
+    [
+        ([1, b"PRI * HTTP/2.0\r\n"], "1 of the 2 other processes came within 2 s"),
+        ([1, 1], "--process-id 1 was given to two processes"),
+    ],
+    ids=["a knock and a client", "one id twice"],
+)
+def test_process_0_counts_the_processes_that_knock_not_connections(knocks, problem):
+    """Process 0 of three waits for processes 1 and 2 to knock. Another connection, such as the
+    JAX client of process 1 once it knocked, is not process 2: counted as one, the cluster
+    started without it, and JAX aborted with a C++ stack trace. A process id that knocks twice
+    (two processes given --process-id 1) is named (found by an adversarial pass)."""
+    address = f"127.0.0.1:{free_port()}"
+
+    def knock(who):
+        if who == 1:  # a process, as it knocks
+            dqn.check_coordinator(address, 1, 3, timeout=2)
+            return
+        with socket.create_connection(("127.0.0.1", int(address.split(":")[1])), timeout=2) as c:
+            c.sendall(who)  # a client that is not a process: its first bytes
+
+    def knock_when_listening(who):
+        for _ in range(40):  # process 0 listens within moments
+            with contextlib.suppress(OSError):
+                return knock(who)
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=knock_when_listening, args=(who,)) for who in knocks]
+    for thread in threads:
+        thread.start()
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        dqn.check_coordinator(address, 0, 3, timeout=2)
+    for thread in threads:
+        thread.join()
 
 
 # Long enough for a process to be killed mid-training: 40 blocks.
