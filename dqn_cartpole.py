@@ -1566,11 +1566,27 @@ def check_same_flags(config: Config, points: list, modes: dict) -> None:
     values |= {flag(name): [point[name] for point in points] for name in HParams._fields}
     values["JAX_ENABLE_X64"] = jax.config.jax_enable_x64  # float64 arrays against float32
     digests = np.array([[zlib.crc32(repr(v).encode()) for v in values.values()]], np.uint32)
-    every = gather(digests)  # [processes, flags]
+    with gloo_quiet():  # the cluster's first gather: gloo connects
+        every = gather(digests)  # [processes, flags]
     if not (same := (every == every[0]).all(axis=0)).all():
         name = list(values)[int(np.argmin(same))]  # the first that differs
         coordinator_ends_last()
         raise ValueError(f"{name} differs between the processes; give all the same")
+
+
+@contextlib.contextmanager
+def gloo_quiet():
+    """gloo's C++ prints "[Gloo] Rank 0 is connected to 1 peer ranks..." to stdout as it
+    connects: not a line of the run's (the other processes print none), so it goes nowhere."""
+    sys.stdout.flush()
+    kept = os.dup(1)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+    try:
+        yield
+    finally:
+        os.dup2(kept, 1)
+        os.close(kept)
 
 
 def coordinator_ends_last() -> None:

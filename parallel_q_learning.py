@@ -1473,13 +1473,29 @@ def check_same_flags(config: Config) -> None:
     values = {name: v for name, v in dataclasses.asdict(config).items() if name != "output_dir"}
     digests = np.array([[zlib.crc32(repr(v).encode()) for v in values.values()]], np.uint32)
     try:
-        every = multihost_utils.process_allgather(digests, tiled=True)  # [processes, flags]
+        with gloo_quiet():  # the cluster's first gather: gloo connects
+            every = multihost_utils.process_allgather(digests, tiled=True)  # [processes, flags]
     except (jax.errors.JaxRuntimeError, ValueError) as error:  # a process died: one line
         fail(f"another process of the cluster stopped ({str(error).splitlines()[0][:160]})", 1)
     if not (same := (every == every[0]).all(axis=0)).all():
         name = list(values)[int(np.argmin(same))]  # the first that differs
         coordinator_ends_last()
         fail(f"--{name.replace('_', '-')} differs between the processes; give all the same")
+
+
+@contextlib.contextmanager
+def gloo_quiet():
+    """gloo's C++ prints "[Gloo] Rank 0 is connected to 1 peer ranks..." to stdout as it
+    connects: not a line of the run's (the other processes print none), so it goes nowhere."""
+    sys.stdout.flush()
+    kept = os.dup(1)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+    try:
+        yield
+    finally:
+        os.dup2(kept, 1)
+        os.close(kept)
 
 
 def coordinator_ends_last() -> None:

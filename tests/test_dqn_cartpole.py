@@ -941,6 +941,8 @@ def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
     results = [process.communicate(timeout=300) for process in processes]
     assert [process.returncode for process in processes] == [0, 0], results
     assert "2 cpu devices" in results[0][0] and "final greedy return" not in results[1][0]
+    # Nor gloo's "[Gloo] Rank 1 is connected to 1 peer ranks...", a line in each (a pass found)
+    assert results[0][0].startswith("output ") and results[1][0] == "", results
     assert sorted(path.name for path in tmp_path.iterdir()) == ["a file", "process0", "single"]
     for name in ("params.msgpack", "curves.csv"):
         single = (tmp_path / "single" / name).read_bytes()
