@@ -466,6 +466,7 @@ import sys
 import time
 import zipfile
 import zlib
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
@@ -803,7 +804,8 @@ def with_gaps(metrics: dict) -> dict:
 
 
 class ClusterLost(SystemExit):
-    """gather's one line, exit 1: another process of the cluster stopped."""
+    """gather's one line, exit 1: another process of the cluster stopped. A SystemExit, as its
+    sys.exit was, so that no `except Exception` takes it; run_training adds how to go on."""
 
 
 def gather(out):
@@ -1434,19 +1436,22 @@ def render_median(config: Config, env, network, params, returns: np.ndarray, pat
     plt.close(fig)
 
 
-KNOCK = "jax-cluster-knock"  # what a process sends process 0's probe, then its id
+KNOCK = "jax-cluster-knock"  # what a process sends process 0's probe: then its id and count
 
 
-def read_knock(connection: socket.socket) -> int | None:
-    """The process id a knock on the probe sends, or None for any other connection."""
+def read_knock(connection: socket.socket) -> tuple[int, int] | None:
+    """(process id, --num-processes) that a knock on the probe sends, or None for any other
+    connection (the JAX client of a process that has knocked, say)."""
     with connection:
         connection.settimeout(1)
         try:
-            words = connection.recv(64).decode(errors="replace").split()
+            words = connection.makefile("rb").readline(100).decode(errors="replace").split()
         except OSError:  # said nothing within a second
             return None
-    ok = len(words) == 2 and words[0] == KNOCK and words[1].isascii() and words[1].isdigit()
-    return int(words[1]) if ok else None
+    numbers = words[1:] if len(words) == 3 and words[0] == KNOCK else []
+    if not numbers or not all(n.isascii() and n.isdigit() for n in numbers):
+        return None
+    return int(numbers[0]), int(numbers[1])
 
 
 def check_coordinator(address: str, process_id: int, num_processes: int, timeout: float) -> None:
@@ -1473,24 +1478,32 @@ def check_coordinator(address: str, process_id: int, num_processes: int, timeout
             except OSError as error:
                 raise ValueError(f"{given}: cannot listen ({error})") from None
             probe.listen()
-            knocked = set()  # by process id: JAX's own client, that of a process that knocked,
-            while len(knocked) < num_processes - 1:  # may come here too, and is not a process
+            # Processes counted by the id they knock with, not by connections: the JAX client
+            # of a process that has knocked may connect here too, and is no other process.
+            knocked = set()
+            while len(knocked) < num_processes - 1:
                 probe.settimeout(max(deadline - time.monotonic(), 1e-3))
                 try:
-                    who = read_knock(probe.accept()[0])
+                    knock = read_knock(probe.accept()[0])
                 except OSError:  # the time-out
                     raise ValueError(
                         f"{given}: {len(knocked)} of the {num_processes - 1} other processes "
                         f"came within {timeout:g} s (--cluster-timeout); are they all running?"
                     ) from None
+                if knock is None:  # not a knock
+                    continue
+                who, count = knock
+                if count != num_processes:  # JAX would start without the processes beyond
+                    raise ValueError("--num-processes differs between the processes; give all "
+                                     "the same")  # fmt: skip
                 if who in knocked:
                     raise ValueError(f"--process-id {who} was given to two processes")
-                knocked |= {who} - {None}
+                knocked.add(who)
         return
     while True:
         try:
             with socket.create_connection((host, int(port)), timeout=1) as knock:
-                knock.sendall(f"{KNOCK} {process_id}\n".encode())
+                knock.sendall(f"{KNOCK} {process_id} {num_processes}\n".encode())
             return
         except OSError:
             if time.monotonic() > deadline:
@@ -1557,9 +1570,11 @@ def check_same_flags(config: Config, points: list, modes: dict) -> None:
     cluster: each would train its share of the agents with its own value (or JAX abort on another
     shape, or gloo on another dtype). `modes` first: --resume (the blocks done) or --load given to
     some processes only made them wait for each other's programs, for ever, deaf to signals; a
-    --checkpoint-every of some only, gather for a checkpoint that the others never write."""
-    if jax.device_count() != jax.process_count() * jax.local_device_count():  # no gather can run
-        coordinator_ends_last()
+    --checkpoint-every of some only, gather for a checkpoint that the others never write. First,
+    the number of devices of each process: gather lays them out [processes, devices], so with
+    other numbers no gather can run (it failed, blaming the other process)."""
+    if len(set(Counter(device.process_index for device in jax.devices()).values())) > 1:
+        coordinator_ends_last()  # whose sync fails at once too: what stays is process 0's wait
         raise ValueError("the processes have other numbers of devices; give all the same")
     values = {flag(k): v for k, v in (modes | dataclasses.asdict(config)).items()}
     values.pop("--output-dir")
@@ -1576,13 +1591,19 @@ def check_same_flags(config: Config, points: list, modes: dict) -> None:
 
 @contextlib.contextmanager
 def gloo_quiet():
-    """gloo's C++ prints "[Gloo] Rank 0 is connected to 1 peer ranks..." to stdout as it
-    connects: not a line of the run's (the other processes print none), so it goes nowhere."""
-    sys.stdout.flush()
-    kept = os.dup(1)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 1)
+    """gloo's C++ prints "[Gloo] Rank N is connected to M peer ranks..." to file descriptor 1 in
+    every process as the first gather connects: noise in process 0's report, and the only line
+    of the others, which print nothing. Meanwhile that descriptor points to /dev/null."""
+    if sys.stdout:
+        sys.stdout.flush()
     try:
+        kept = os.dup(1)
+    except OSError:  # no stdout at all (>&-): nothing to keep clean
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
         yield
     finally:
         os.dup2(kept, 1)
@@ -1799,19 +1820,22 @@ class StopRequest:
         return int(gather(signum).max()) if jax.process_count() > 1 else int(signum[0])
 
 
-def checkpoint_or_warn(output: Path, run: dict, state: tuple, say: Callable, stopping: bool):
-    """save_checkpoint of `state` (blocks done, carry, metrics). One that cannot be written (a
-    full disk, a file size limit) does not end the run: the trained agents are worth more, and
-    its final files are far smaller (no replay buffers, target networks or optimizer states).
-    For a stop, they are written as they stand, without a checkpoint to go on from."""
+def checkpoint_or_warn(output: Path, run: dict, done: int, carry, metrics: dict,
+                       say: Callable, stopping: bool) -> bool:  # fmt: skip
+    """save_checkpoint -> whether it was written. One that cannot be written (a full disk, a file
+    size limit) does not end the run: the trained agents are worth more, and its final files are
+    far smaller (no replay buffers, target networks or optimizer states). For a stop, they are
+    written as they stand, without a checkpoint to go on from."""
     try:
         with writing(output):
-            save_checkpoint(output, run, *state)
+            save_checkpoint(output, run, done, carry, metrics)
+        return True
     except OSError as error:
         then = "the run so far is saved without it" if stopping else "training goes on"
         warning = f"dqn_cartpole.py: warning: cannot write {output / CHECKPOINT} "
         warning += f"({error.strerror or error}); {then}"
         say(warning.translate(ESCAPED))  # one line, as fail's
+        return False
 
 
 def run_training(config, points, env, network, plan, environment, output, checkpoint_every,
@@ -1825,7 +1849,8 @@ def run_training(config, points, env, network, plan, environment, output, checkp
     devices = plural(plan.num_devices, jax.devices()[0].platform + " device")
     memory = f"~{plan.bytes_per_seed * plan.seeds_per_batch / 2**20:.0f} MiB per device"
     grid_text = f"{plural(num_points, 'grid point')} x " if num_points > 1 else ""
-    first = saved = 0 if start is None else int(start[2]["step"][0, -1])
+    # The last checkpoint: due for its cadence, and written (the one a run resumed from counts).
+    first = due_from = written = 0 if start is None else int(start[2]["step"][0, -1])
     run = {"config": dataclasses.asdict(config), "points": points}
     run |= {"solved_return": environment["solved_return"], "checkpoint_every": checkpoint_every}
     run["render"] = render
@@ -1845,19 +1870,21 @@ def run_training(config, points, env, network, plan, environment, output, checkp
             for done, carry, metrics in blocks:
                 steps, signum = int(metrics["step"][0, -1]), stop.asked()
                 progress(steps, timings["train_time_s"])
-                stopping = signum > 0 and steps < config.total_timesteps  # the last block: ended
-                due = checkpoint_every and steps - saved >= checkpoint_every
-                if (stopping or due) and steps < config.total_timesteps:  # an ended run: no use
+                ended = steps >= config.total_timesteps  # a checkpoint of it has no use
+                stopping = signum > 0 and not ended  # a stop asked in the last block: it ended
+                due = checkpoint_every and steps - due_from >= checkpoint_every
+                if (stopping or due) and not ended:
                     clock = time.perf_counter()
-                    checkpoint_or_warn(output, run, (done, carry, metrics), progress.say, stopping)
+                    args = (output, run, done, carry, metrics, progress.say, stopping)
+                    written = steps if checkpoint_or_warn(*args) else written
                     timings["checkpoint_time_s"] += time.perf_counter() - clock
-                    saved = steps
+                    due_from = steps
                 if stopping:
                     break
-        except ClusterLost as error:  # process 0 says which checkpoint stays, if one does
-            if jax.process_index() > 0 or not saved:
+        except ClusterLost as error:  # process 0 says how to go on from this run's checkpoint
+            if jax.process_index() > 0 or not written:
                 raise
-            raise ClusterLost(f"{error.code}; {stop_hint(output, saved)}") from None
+            raise ClusterLost(f"{error.code}; {stop_hint(output, written)}") from None
     if stop.signum and not stopping:  # asked in the last block: the run ended, and stops written
         signal.raise_signal(stop.signum)  # to the handler of main's written_whole, which holds it
     progress.close()
@@ -2182,10 +2209,7 @@ def main(argv: list[str] | None = None) -> None:
         check_backend()
         if jax.process_count() > 1:
             modes = {"resume": checkpoint and checkpoint[0], "load": bool(args.load)}
-            modes |= {
-                "checkpoint_every": args.checkpoint_every,
-                "num_processes": args.num_processes,
-            }
+            modes["checkpoint_every"] = args.checkpoint_every
             check_same_flags(config, points, modes)
         if jax.process_index() > 0:  # process 0 reports and writes for the whole cluster
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115
@@ -2345,8 +2369,9 @@ def resume_hint(output: Path) -> str:
         python = os.path.join(".", python)
     command = [python, from_here(__file__), "--resume", from_here(str(output))]
     hint = f"to go on: {shlex.join(command)}"
-    if jax.distributed.is_initialized() and jax.process_count() > 1:  # fewer devices: other bits
-        hint += f" (on each of the {jax.process_count()} processes, as they were started)"
+    if jax.distributed.is_initialized() and jax.process_count() > 1:  # one process alone has
+        count = jax.process_count()  # fewer devices: it would lay out, and train, other bits
+        hint += f" (on each of the {count} processes, with the cluster flags it was started with)"
     return hint
 
 

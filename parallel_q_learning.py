@@ -415,6 +415,7 @@ import sys
 import time
 import warnings
 import zlib
+from collections import Counter
 from importlib import metadata
 from pathlib import Path, PurePosixPath
 
@@ -1350,19 +1351,22 @@ def remove_if_empty(folder: Path) -> None:
             path.rmdir()
 
 
-KNOCK = "jax-cluster-knock"  # what a process sends process 0's probe, then its id
+KNOCK = "jax-cluster-knock"  # what a process sends process 0's probe: then its id and count
 
 
-def read_knock(connection: socket.socket) -> int | None:
-    """The process id a knock on the probe sends, or None for any other connection."""
+def read_knock(connection: socket.socket) -> tuple[int, int] | None:
+    """(process id, --num-processes) that a knock on the probe sends, or None for any other
+    connection (the JAX client of a process that has knocked, say)."""
     with connection:
         connection.settimeout(1)
         try:
-            words = connection.recv(64).decode(errors="replace").split()
+            words = connection.makefile("rb").readline(100).decode(errors="replace").split()
         except OSError:  # said nothing within a second
             return None
-    ok = len(words) == 2 and words[0] == KNOCK and words[1].isascii() and words[1].isdigit()
-    return int(words[1]) if ok else None
+    numbers = words[1:] if len(words) == 3 and words[0] == KNOCK else []
+    if not numbers or not all(n.isascii() and n.isdigit() for n in numbers):
+        return None
+    return int(numbers[0]), int(numbers[1])
 
 
 def check_coordinator(address: str, process_id: int, num_processes: int, timeout: float) -> None:
@@ -1388,25 +1392,33 @@ def check_coordinator(address: str, process_id: int, num_processes: int, timeout
             except OSError as error:
                 fail(f"--coordinator-address {address}: cannot listen ({error})")
             probe.listen()
-            knocked = set()  # by process id: JAX's own client, that of a process that knocked,
-            while len(knocked) < num_processes - 1:  # may come here too, and is not a process
+            # Processes counted by the id they knock with, not by connections: the JAX client
+            # of a process that has knocked may connect here too, and is no other process.
+            knocked = set()
+            while len(knocked) < num_processes - 1:
                 probe.settimeout(max(deadline - time.monotonic(), 1e-3))
                 try:
-                    who = read_knock(probe.accept()[0])
+                    knock = read_knock(probe.accept()[0])
                 except OSError:  # the time-out
                     fail(
                         f"--coordinator-address {address}: {len(knocked)} of the "
                         f"{num_processes - 1} other processes came within {timeout:g} s "
                         "(--cluster-timeout); are they all running?"
                     )
+                if knock is None:  # not a knock
+                    continue
+                who, count = knock
+                if count != num_processes:  # JAX would start without the processes beyond
+                    fail("--num-processes differs between the processes; give all the same")
                 if who in knocked:
                     fail(f"--process-id {who} was given to two processes")
-                knocked |= {who} - {None}
+                knocked.add(who)
         return
     while True:
         try:
             with socket.create_connection((host, int(port)), timeout=1) as knock:
-                return knock.sendall(f"{KNOCK} {process_id}\n".encode())
+                knock.sendall(f"{KNOCK} {process_id} {num_processes}\n".encode())
+            return
         except OSError:
             if time.monotonic() > deadline:
                 fail(
@@ -1466,9 +1478,11 @@ def join_cluster(coordinator_address, num_processes, process_id, cluster_timeout
 
 def check_same_flags(config: Config) -> None:
     """One line naming a flag whose value differs between the processes of a cluster: each would
-    train its share of the agents with its own value (or JAX abort on another shape)."""
-    if jax.device_count() != jax.process_count() * jax.local_device_count():  # no gather can run
-        coordinator_ends_last()
+    train its share of the agents with its own value (or JAX abort on another shape). First, the
+    number of devices of each process: the gather lays them out [processes, devices], so with
+    other numbers none can run (it failed, blaming the other process)."""
+    if len(set(Counter(device.process_index for device in jax.devices()).values())) > 1:
+        coordinator_ends_last()  # whose sync fails at once too: what stays is process 0's wait
         fail("the processes have other numbers of devices; give all the same")
     values = {name: v for name, v in dataclasses.asdict(config).items() if name != "output_dir"}
     digests = np.array([[zlib.crc32(repr(v).encode()) for v in values.values()]], np.uint32)
@@ -1485,13 +1499,19 @@ def check_same_flags(config: Config) -> None:
 
 @contextlib.contextmanager
 def gloo_quiet():
-    """gloo's C++ prints "[Gloo] Rank 0 is connected to 1 peer ranks..." to stdout as it
-    connects: not a line of the run's (the other processes print none), so it goes nowhere."""
-    sys.stdout.flush()
-    kept = os.dup(1)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 1)
+    """gloo's C++ prints "[Gloo] Rank N is connected to M peer ranks..." to file descriptor 1 in
+    every process as the first gather connects: noise in process 0's report, and the only line
+    of the others, which print nothing. Meanwhile that descriptor points to /dev/null."""
+    if sys.stdout:
+        sys.stdout.flush()
     try:
+        kept = os.dup(1)
+    except OSError:  # no stdout at all (>&-): nothing to keep clean
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
         yield
     finally:
         os.dup2(kept, 1)

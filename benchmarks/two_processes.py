@@ -30,6 +30,12 @@ OURS = ("--output-dir", "--coordinator-address", "--num-processes", "--process-i
 NOT_TRAINING = ("--load", "--resume", "--replot")  # the script's modes that time no training
 
 
+def abbreviates(arg: str, flags: tuple[str, ...]) -> bool:
+    """Whether `arg` is one of `flags`, or an abbreviation of one that argparse would take."""
+    name = arg.split("=")[0]
+    return name.startswith("--") and len(name) > 2 and any(f.startswith(name) for f in flags)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -68,17 +74,12 @@ def main() -> None:
                         help=script_help)  # fmt: skip
     parser.add_argument("--repeats", type=cli.count, default=3, help="alternating rounds; medians")
     known, script_args = parser.parse_known_args()
-    for arg in script_args:  # ours, set for each layout (argparse takes an abbreviation too)
-        name = arg.split("=")[0]
-        if name.startswith("--") and len(name) > 2 and any(f.startswith(name) for f in OURS):
+    for arg in script_args:
+        if abbreviates(arg, OURS):  # set for each layout
             cli.fail(
                 f"the script's {', '.join(OURS)} are set here, for each layout; leave out {arg}"
             )
-        if (
-            name.startswith("--")
-            and len(name) > 2
-            and any(f.startswith(name) for f in NOT_TRAINING)
-        ):
+        if abbreviates(arg, NOT_TRAINING):
             cli.fail(f"this times training, which {arg} does not run; leave it out")
     layouts = {"1 process x 2 devices": 1, "2 processes x 1 device": 2}
     rates = {name: [] for name in layouts}

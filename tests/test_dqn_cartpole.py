@@ -867,39 +867,46 @@ def test_process_0_alone_is_one_line_once_the_cluster_timeout_passes(tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+def knock_on(address: str, knocks: list, check_coordinator) -> list[threading.Thread]:
+    """Threads that knock on process 0's probe at `address` at once: (process id, processes) as
+    check_coordinator does, or bytes as another client would send them."""
+
+    def knock(who):
+        if isinstance(who, tuple):  # a process: check_coordinator waits for the probe itself
+            with contextlib.suppress(ValueError, SystemExit):  # process 0 gave up before
+                check_coordinator(address, who[0], who[1], timeout=5)
+            return
+        for _ in range(100):  # a client: until the probe listens, within moments
+            port = int(address.split(":")[1])
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)) as c:
+                return c.sendall(who)
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=knock, args=(who,)) for who in knocks]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
 @pytest.mark.parametrize(
     ("knocks", "problem"),
     [
-        ([1, b"PRI * HTTP/2.0\r\n"], "1 of the 2 other processes came within 2 s"),
-        ([1, 1], "--process-id 1 was given to two processes"),
+        ([(1, 3), b"PRI * HTTP/2.0\r\n"], "1 of the 2 other processes came within 3 s"),
+        ([(1, 3), (1, 3)], "--process-id 1 was given to two processes"),
+        ([(1, 2)], "--num-processes differs between the processes"),
     ],
-    ids=["a knock and a client", "one id twice"],
+    ids=["a knock and a client", "one id twice", "another count"],
 )
 def test_process_0_counts_the_processes_that_knock_not_connections(knocks, problem):
     """Process 0 of three waits for processes 1 and 2 to knock. Another connection, such as the
     JAX client of process 1 once it knocked, is not process 2: counted as one, the cluster
     started without it, and JAX aborted with a C++ stack trace. A process id that knocks twice
-    (two processes given --process-id 1) is named (found by an adversarial pass)."""
+    (two processes given --process-id 1) is named, and so is a process given another
+    --num-processes (found by an adversarial pass and a review)."""
     address = f"127.0.0.1:{free_port()}"
-
-    def knock(who):
-        if who == 1:  # a process, as it knocks
-            dqn.check_coordinator(address, 1, 3, timeout=2)
-            return
-        with socket.create_connection(("127.0.0.1", int(address.split(":")[1])), timeout=2) as c:
-            c.sendall(who)  # a client that is not a process: its first bytes
-
-    def knock_when_listening(who):
-        for _ in range(40):  # process 0 listens within moments
-            with contextlib.suppress(OSError):
-                return knock(who)
-            time.sleep(0.05)
-
-    threads = [threading.Thread(target=knock_when_listening, args=(who,)) for who in knocks]
-    for thread in threads:
-        thread.start()
+    threads = knock_on(address, knocks, dqn.check_coordinator)
     with pytest.raises(ValueError, match=re.escape(problem)):
-        dqn.check_coordinator(address, 0, 3, timeout=2)
+        dqn.check_coordinator(address, 0, 3, timeout=3)
     for thread in threads:
         thread.join()
 
@@ -949,6 +956,9 @@ def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
         assert (tmp_path / "process0" / name).read_bytes() == single, name
 
 
+CLUSTER_FLAGS = " (on each of the 2 processes, with the cluster flags it was started with)"
+
+
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_process_that_dies_stops_the_other_with_one_line(tmp_path, victim):
     """kill -9 of one process of a cluster, mid-training: the other stops within moments, its
@@ -972,9 +982,9 @@ def test_a_process_that_dies_stops_the_other_with_one_line(tmp_path, victim):
     if victim == 1:
         assert (tmp_path / "process0" / dqn.CHECKPOINT).exists(), err
         hint = "to go on: " + last.split("; to go on: ", 1)[1]
-        assert hint.endswith(" (on each of the 2 processes, as they were started)"), last
-        assert_goes_on(hint.removesuffix(" (on each of the 2 processes, as they were started)"),
-                       tmp_path / "process0")  # fmt: skip
+        assert hint.endswith(CLUSTER_FLAGS), last
+        with contextlib.chdir(Path(dqn.__file__).parent):  # the processes' folder: the paths
+            assert_goes_on(hint.removesuffix(CLUSTER_FLAGS), tmp_path / "process0")  # from it
 
 
 DIFFERS = "differs between the processes"
@@ -997,7 +1007,7 @@ DIFFERS = "differs between the processes"
 def test_processes_given_other_flags_are_one_line_before_training(tmp_path, only_1, env_1, line):
     """Process 1 given another learning rate and width: it would train its share of the agents
     with its own values (the width: JAX would abort on the other shape, a C++ trace from gloo).
-    Likewise another --checkpoint-every (both died at process 0's first checkpoint, its gather,
+    Or given another --checkpoint-every (both died at process 0's first checkpoint, its gather,
     each blaming the other), JAX_ENABLE_X64 (gloo aborted on float64 arrays, after training) or
     number of devices (a reshape error in the first gather). One line in both, naming the first
     that differs, exit 2, nothing written (found by adversarial passes)."""

@@ -2,6 +2,7 @@
 iteration, list parsing, memory refusal, CLI errors, one small CLI run, and
 benchmarks/parallel_q_learning.py at a tiny size."""
 
+import contextlib
 import csv
 import dataclasses
 import importlib.util
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -356,7 +358,7 @@ def test_the_summarys_means_have_a_normal_interval_of_the_sample_sd_and_errors_a
     plan = pq.make_step_plan(config)
     (row,) = pq.summarize_grid(config, env, plan, pq.TrainResult(q_table=None, curve=curve))
     final = paths[:, -1].astype(float)
-    half = 1.96 * final.std(ddof=1) / 2
+    half = 1.96 * final.std(ddof=1) / np.sqrt(len(final))
     assert row["greedy_path_length"]["mean"] == pytest.approx(final.mean())
     assert row["greedy_path_length"]["ci95"] == pytest.approx(
         [final.mean() - half, final.mean() + half]
@@ -394,7 +396,8 @@ def test_a_truncated_step_bootstraps_from_the_cell_it_reached_and_a_terminal_one
     time limit, so they bootstrap from S itself (Q = gamma * 1); right reaches a cell never acted
     from (Q = 0). A time limit taken as terminal would leave up and down at 0."""
     config = pq.Config(layout="GS.", max_episode_steps=1, total_timesteps=2_000, num_curve_points=1)
-    result = jax.jit(pq.make_train(config))(jax.random.key(0), pq.HParams(1.0, 1.0, 0.9))
+    hparams = pq.HParams(learning_rate=1.0, epsilon=1.0, gamma=0.9)
+    result = jax.jit(pq.make_train(config))(jax.random.key(0), hparams)
     np.testing.assert_allclose(np.asarray(result.q_table)[0, 1], [0.0, 0.9, 1.0, 0.9], rtol=1e-6)
 
 
@@ -1206,6 +1209,32 @@ def test_a_signal_in_the_progress_callback_is_one_line(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.endswith("unfinished; no file half-written") and "SIGTERM" in last, done.stderr
     assert not output.exists() or not any(output.iterdir())
+
+
+def test_process_0_counts_the_processes_that_knock_not_connections(capsys):
+    """Process 0 of three waits for processes 1 and 2 to knock: a connection that is no knock
+    (the JAX client of process 1 once it knocked) is not process 2, whom it waits for until the
+    --cluster-timeout. As the DQN's test, at which the full protocol is tested."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+
+    def client():
+        for _ in range(100):  # until the probe listens, within moments
+            port = int(address.split(":")[1])
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)) as c:
+                return c.sendall(b"PRI * HTTP/2.0\r\n")
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=client)]
+    threads.append(threading.Thread(target=pq.check_coordinator, args=(address, 1, 3, 5)))
+    for thread in threads:
+        thread.start()
+    with pytest.raises(SystemExit):
+        pq.check_coordinator(address, 0, 3, 3)
+    for thread in threads:
+        thread.join()
+    assert "1 of the 2 other processes came within 3 s" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
