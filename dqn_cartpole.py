@@ -1440,14 +1440,19 @@ KNOCK = "jax-cluster-knock"  # what a process sends process 0's probe: then its 
 
 
 def read_knock(connection: socket.socket) -> tuple[int, int] | None:
-    """(process id, --num-processes) that a knock on the probe sends, or None for any other
-    connection (the JAX client of a process that has knocked, say)."""
+    """(process id, --num-processes) that a knock on the probe sends within a second, or None
+    for any other connection (the JAX client of a process that has knocked, say)."""
+    line, end = b"", time.monotonic() + 1  # a second in all, however slowly the bytes come
     with connection:
-        connection.settimeout(1)
         try:
-            words = connection.makefile("rb").readline(100).decode(errors="replace").split()
-        except OSError:  # said nothing within a second
-            return None
+            while b"\n" not in line and len(line) < 100 and time.monotonic() < end:
+                connection.settimeout(max(end - time.monotonic(), 1e-3))
+                if not (more := connection.recv(100)):
+                    break
+                line += more
+        except OSError:  # said nothing more within the second
+            pass
+    words = line.partition(b"\n")[0].decode(errors="replace").split()
     numbers = words[1:] if len(words) == 3 and words[0] == KNOCK else []
     if not numbers or not all(n.isascii() and n.isdigit() for n in numbers):
         return None
@@ -1490,7 +1495,7 @@ def check_coordinator(address: str, process_id: int, num_processes: int, timeout
                         f"{given}: {len(knocked)} of the {num_processes - 1} other processes "
                         f"came within {timeout:g} s (--cluster-timeout); are they all running?"
                     ) from None
-                if knock is None:  # not a knock
+                if knock is None or not 0 < knock[0] < knock[1]:  # not a process's knock
                     continue
                 who, count = knock
                 if count != num_processes:  # JAX would start without the processes beyond
@@ -1573,9 +1578,13 @@ def check_same_flags(config: Config, points: list, modes: dict) -> None:
     --checkpoint-every of some only, gather for a checkpoint that the others never write. First,
     the number of devices of each process: gather lays them out [processes, devices], so with
     other numbers no gather can run (it failed, blaming the other process)."""
-    if len(set(Counter(device.process_index for device in jax.devices()).values())) > 1:
+    devices = Counter(device.process_index for device in jax.devices())  # of each process
+    if len(set(devices.values())) > 1:
         coordinator_ends_last()  # whose sync fails at once too: what stays is process 0's wait
-        raise ValueError("the processes have other numbers of devices; give all the same")
+        counts = ", ".join(f"{devices[i]} on process {i}" for i in sorted(devices))
+        raise ValueError(
+            f"the processes have other numbers of devices ({counts}); give all the same"
+        )
     values = {flag(k): v for k, v in (modes | dataclasses.asdict(config)).items()}
     values.pop("--output-dir")
     values |= {flag(name): [point[name] for point in points] for name in HParams._fields}
@@ -2371,7 +2380,7 @@ def resume_hint(output: Path) -> str:
     hint = f"to go on: {shlex.join(command)}"
     if jax.distributed.is_initialized() and jax.process_count() > 1:  # one process alone has
         count = jax.process_count()  # fewer devices: it would lay out, and train, other bits
-        hint += f" (on each of the {count} processes, with the cluster flags it was started with)"
+        hint += f" (on each of the {count} processes of the cluster, started as before)"
     return hint
 
 

@@ -1355,14 +1355,19 @@ KNOCK = "jax-cluster-knock"  # what a process sends process 0's probe: then its 
 
 
 def read_knock(connection: socket.socket) -> tuple[int, int] | None:
-    """(process id, --num-processes) that a knock on the probe sends, or None for any other
-    connection (the JAX client of a process that has knocked, say)."""
+    """(process id, --num-processes) that a knock on the probe sends within a second, or None
+    for any other connection (the JAX client of a process that has knocked, say)."""
+    line, end = b"", time.monotonic() + 1  # a second in all, however slowly the bytes come
     with connection:
-        connection.settimeout(1)
         try:
-            words = connection.makefile("rb").readline(100).decode(errors="replace").split()
-        except OSError:  # said nothing within a second
-            return None
+            while b"\n" not in line and len(line) < 100 and time.monotonic() < end:
+                connection.settimeout(max(end - time.monotonic(), 1e-3))
+                if not (more := connection.recv(100)):
+                    break
+                line += more
+        except OSError:  # said nothing more within the second
+            pass
+    words = line.partition(b"\n")[0].decode(errors="replace").split()
     numbers = words[1:] if len(words) == 3 and words[0] == KNOCK else []
     if not numbers or not all(n.isascii() and n.isdigit() for n in numbers):
         return None
@@ -1405,7 +1410,7 @@ def check_coordinator(address: str, process_id: int, num_processes: int, timeout
                         f"{num_processes - 1} other processes came within {timeout:g} s "
                         "(--cluster-timeout); are they all running?"
                     )
-                if knock is None:  # not a knock
+                if knock is None or not 0 < knock[0] < knock[1]:  # not a process's knock
                     continue
                 who, count = knock
                 if count != num_processes:  # JAX would start without the processes beyond
@@ -1481,9 +1486,11 @@ def check_same_flags(config: Config) -> None:
     train its share of the agents with its own value (or JAX abort on another shape). First, the
     number of devices of each process: the gather lays them out [processes, devices], so with
     other numbers none can run (it failed, blaming the other process)."""
-    if len(set(Counter(device.process_index for device in jax.devices()).values())) > 1:
+    devices = Counter(device.process_index for device in jax.devices())  # of each process
+    if len(set(devices.values())) > 1:
         coordinator_ends_last()  # whose sync fails at once too: what stays is process 0's wait
-        fail("the processes have other numbers of devices; give all the same")
+        counts = ", ".join(f"{devices[i]} on process {i}" for i in sorted(devices))
+        fail(f"the processes have other numbers of devices ({counts}); give all the same")
     values = {name: v for name, v in dataclasses.asdict(config).items() if name != "output_dir"}
     digests = np.array([[zlib.crc32(repr(v).encode()) for v in values.values()]], np.uint32)
     try:

@@ -892,23 +892,49 @@ def knock_on(address: str, knocks: list, check_coordinator) -> list[threading.Th
     ("knocks", "problem"),
     [
         ([(1, 3), b"PRI * HTTP/2.0\r\n"], "1 of the 2 other processes came within 3 s"),
+        ([(1, 3), b"jax-cluster-knock 0 3\n", b"jax-cluster-knock 7 3\n"], "1 of the 2 other"),
         ([(1, 3), (1, 3)], "--process-id 1 was given to two processes"),
         ([(1, 2)], "--num-processes differs between the processes"),
     ],
-    ids=["a knock and a client", "one id twice", "another count"],
+    ids=["a knock and a client", "ids no other process has", "one id twice", "another count"],
 )
 def test_process_0_counts_the_processes_that_knock_not_connections(knocks, problem):
     """Process 0 of three waits for processes 1 and 2 to knock. Another connection, such as the
     JAX client of process 1 once it knocked, is not process 2: counted as one, the cluster
     started without it, and JAX aborted with a C++ stack trace. A process id that knocks twice
     (two processes given --process-id 1) is named, and so is a process given another
-    --num-processes (found by an adversarial pass and a review)."""
+    --num-processes; ids 0 and 7 are no other process of three (a knock of 0 was counted, and
+    JAX aborted). Found by adversarial passes and a review."""
     address = f"127.0.0.1:{free_port()}"
     threads = knock_on(address, knocks, dqn.check_coordinator)
     with pytest.raises(ValueError, match=re.escape(problem)):
         dqn.check_coordinator(address, 0, 3, timeout=3)
     for thread in threads:
         thread.join()
+
+
+def test_a_knock_is_read_within_a_second_however_slowly_it_comes():
+    """A client that sent a byte at a time, each within a second of the last, held process 0
+    past its --cluster-timeout (found by an adversarial pass): read_knock gives one second in
+    all. A knock sent at once reads as (process id, processes)."""
+    ours, theirs = socket.socketpair()
+    theirs.sendall(b"jax-cluster-knock 1 3\n")
+    assert dqn.read_knock(ours) == (1, 3)
+    theirs.close()
+    ours, theirs = socket.socketpair()
+
+    def drip():
+        with contextlib.suppress(OSError):  # read_knock has closed its end
+            for byte in b"jax-cluster-knock 1 3\n":  # 2.2 s in all
+                theirs.sendall(bytes([byte]))
+                time.sleep(0.1)
+
+    thread = threading.Thread(target=drip)
+    thread.start()
+    start = time.monotonic()
+    assert dqn.read_knock(ours) is None and time.monotonic() - start < 1.5
+    thread.join()
+    theirs.close()
 
 
 # Long enough for a process to be killed mid-training: 40 blocks.
@@ -956,7 +982,7 @@ def test_two_processes_make_one_cluster_and_train_the_same_agents(tmp_path):
         assert (tmp_path / "process0" / name).read_bytes() == single, name
 
 
-CLUSTER_FLAGS = " (on each of the 2 processes, with the cluster flags it was started with)"
+CLUSTER_FLAGS = " (on each of the 2 processes of the cluster, started as before)"
 
 
 @pytest.mark.parametrize("victim", [0, 1])
@@ -999,7 +1025,7 @@ DIFFERS = "differs between the processes"
         (
             [],
             {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
-            "the processes have other numbers of devices",
+            "the processes have other numbers of devices (1 on process 0, 2 on process 1)",
         ),
     ],
     ids=["flags", "checkpoint-every", "x64", "devices"],

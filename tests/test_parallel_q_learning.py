@@ -1244,7 +1244,7 @@ def test_process_0_counts_the_processes_that_knock_not_connections(capsys):
         (
             [],
             {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
-            "the processes have other numbers of devices",
+            "the processes have other numbers of devices (1 on process 0, 2 on process 1)",
         ),
     ],
     ids=["flags", "devices"],
