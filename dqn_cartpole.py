@@ -1884,8 +1884,10 @@ def run_training(config, points, env, network, plan, environment, output, checkp
                 due = checkpoint_every and steps - due_from >= checkpoint_every
                 if (stopping or due) and not ended:
                     clock = time.perf_counter()
-                    args = (output, run, done, carry, metrics, progress.say, stopping)
-                    written = steps if checkpoint_or_warn(*args) else written
+                    if checkpoint_or_warn(
+                        output, run, done, carry, metrics, progress.say, stopping
+                    ):
+                        written = steps
                     timings["checkpoint_time_s"] += time.perf_counter() - clock
                     due_from = steps
                 if stopping:
