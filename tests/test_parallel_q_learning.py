@@ -1214,7 +1214,8 @@ def test_a_signal_in_the_progress_callback_is_one_line(tmp_path):
 def test_process_0_counts_the_processes_that_knock_not_connections(capsys):
     """Process 0 of three waits for processes 1 and 2 to knock: a connection that is no knock
     (the JAX client of process 1 once it knocked) is not process 2, whom it waits for until the
-    --cluster-timeout. As the DQN's test, at which the full protocol is tested."""
+    --cluster-timeout. The DQN's copy of the protocol is tested in full (ids, counts, a slow
+    client); this checks the parallel script's copy on the case that made JAX abort."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{probe.getsockname()[1]}"
