@@ -183,7 +183,17 @@ def captured(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     pipe = subprocess.PIPE
     with started([command], stdout=pipe, stderr=pipe, text=True, **kwargs) as [child]:
         out, err = child.communicate()
+    stop_if_stopped(child.returncode)
     return subprocess.CompletedProcess(command, child.returncode, out, err)
+
+
+def stop_if_stopped(returncode: int) -> None:
+    """A child ended by Ctrl-C, SIGTERM or SIGHUP (killed by it, or its own one line and exit
+    128 + it) stops the benchmark as that signal does: a terminal's Ctrl-C reaches both, and the
+    child can end before this process's handler has run (which then finds stop's `ignore`)."""
+    for signum in SIGNALS:
+        if returncode in (-signum, 128 + signum):
+            stop(signum, None)
 
 
 # A message's control characters (a newline in a folder's name) shown escaped: still one line.
@@ -200,6 +210,7 @@ def fail(message: str, status: int = 2) -> None:
 def failed(result: subprocess.CompletedProcess) -> None:
     """A yardstick or script this benchmark ran has failed: one line, its own last (a refused
     flag's line, a traceback's end), exit 2 if it refused its arguments, else 1."""
+    stop_if_stopped(result.returncode)
     last = (result.stderr.strip().splitlines() or ["no message"])[-1]
     fail(f"{Path(result.args[1]).name} failed: {last}"[:300], 2 if result.returncode == 2 else 1)
 
