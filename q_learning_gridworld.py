@@ -421,9 +421,8 @@ def train_seeds(train, seed: int, num_seeds: int, batch_size: int | None = None)
         lambda: fold_in(jax.random.key(seed), jnp.arange(num_keys)),
         out_shardings=jax.sharding.NamedSharding(mesh, spec),
     )
-    if batch_size is None:
-        per_device = jax.vmap(train)
-    else:
+    per_device = jax.vmap(train)
+    if batch_size is not None:
         per_device = functools.partial(jax.lax.map, train, batch_size=batch_size)
     # check_vma=False: train starts from constants (zeros, S), which shard_map's type check
     # would want marked as varying per device; no value is shared between devices anyway.
@@ -457,25 +456,19 @@ CGROUP_LIMITS = {"": "memory.max", "memory": "memory.limit_in_bytes"}  # cgroup 
 
 def cgroup_limit(proc=Path("/proc/self/cgroup"), root=Path("/sys/fs/cgroup")) -> float:
     """The tightest memory limit, in bytes, of the cgroups holding this process and of their
-    parents (cgroup v2 or v1); inf where none is set ("max", no such files, not Linux)."""
-    limit = math.inf
-    for folder, name in cgroup_folders(proc, root):
-        with contextlib.suppress(OSError, ValueError):  # no such file; "max"
-            limit = min(limit, int((folder / CGROUP_LIMITS[name]).read_text()))
-    return limit
-
-
-def cgroup_folders(proc: Path, root: Path):
-    """Yields (folder, "" for cgroup v2 or "memory" for v1) of each memory cgroup holding this
-    process, then of each of its parents up to the root, where a limit may be set instead."""
+    parents, where one may be set instead; inf where none is ("max", no such files, not Linux)."""
     try:
         lines = proc.read_text().splitlines()  # "id:controllers:/path", v2's controllers ""
     except OSError:  # not Linux
-        return
+        return math.inf
+    limit = math.inf
     for _, controllers, path in (line.split(":", 2) for line in lines if line.count(":") >= 2):
         for name in {"", "memory"} & set(controllers.split(",")):
             for folder in (PurePosixPath(path), *PurePosixPath(path).parents):
-                yield root / name / str(folder).lstrip("/"), name
+                file = root / name / str(folder).lstrip("/") / CGROUP_LIMITS[name]
+                with contextlib.suppress(OSError, ValueError):  # no such file; "max"
+                    limit = min(limit, int(file.read_text()))
+    return limit
 
 
 def device_memory() -> int:  # GPU memory where reported, else RAM (tests pretend other sizes)
@@ -490,11 +483,8 @@ def count_blocks(config: Config) -> int:
 
 
 def check_memory(config: Config, env: GridWorld) -> None:
-    """Refuse, before compiling, a run whose arrays need more than half the memory, naming the
-    flag to change: --steps-per-block if indexing its blocks passes half the host's RAM, the
-    largest part of one seed's need if one seed passes half the devices' (GPU memory where
-    reported, else RAM; the rest is for XLA and everything else), else --num-seeds. Bytes per
-    seed, by the flag that drives each part."""
+    """Refuse, before compiling, a run whose arrays need more than half the memory (the rest is
+    for XLA and everything else), naming the flag to change. Bytes per seed by driving flag."""
     blocks = count_blocks(config)
     per_seed = {
         "--layout": 4 * 3 * env.num_cells * NUM_ACTIONS,  # the Q-table thrice: carry, loop, output
@@ -603,8 +593,8 @@ def expected_episode_length(env: GridWorld, epsilon: float, gamma: float) -> flo
         return None
     best = np.isclose(q, q.max(axis=1, keepdims=True), rtol=1e-9, atol=0)  # Q* may be ~1e-10
     policy = epsilon / NUM_ACTIONS + (1 - epsilon) * best / best.sum(axis=1, keepdims=True)
-    # steps = 1 + E[steps of the next cell], 0 at G: one linear system over the cells S reaches
-    # (an iteration stopped short: 3463 for 3662 on the maze at epsilon 1), solved exactly.
+    # steps = 1 + E[steps of the next cell], 0 at G: one linear system over the cells S reaches,
+    # solved exactly (an iteration stops short: 3463 for 3662 on the maze at epsilon 1).
     reached, frontier = np.arange(env.num_cells) == env.map.start, np.array([env.map.start])
     while frontier.size:
         frontier = np.unique(env.map.next_cell[frontier])
@@ -622,9 +612,8 @@ def expected_episode_length(env: GridWorld, epsilon: float, gamma: float) -> flo
 @contextlib.contextmanager
 def atomic_open(path: Path, mode: str = "w", together: list | None = None):
     """Write to a temporary name beside path, then rename: no reader sees half a file. Given
-    `together`, the files written before, the rename waits for rename_all(together): files
-    written one after another appear all or none. A write that fails (a full disk, say) ends the
-    script with one line; no temporary file stays."""
+    `together`, the rename waits for rename_all(together): several files appear all or none.
+    A write that fails (a full disk, say) ends the script with one line, leaving no temporary."""
     pending = [] if together is None else together
     try:  # a new file: one at that name could be a link, and writing through it writes elsewhere
         temporary(path).unlink(missing_ok=True)
@@ -650,15 +639,13 @@ def rename_all(paths: list[Path]) -> None:
 
 
 def temporary(path: Path) -> Path:
-    """Where a file is written before it is renamed to `path` (the suffix last: a writer may
-    pick the format by it)."""
+    """Where a file is written before its rename (suffix last: a writer picks a format by it)."""
     return path.with_name(f".{path.stem}.tmp{path.suffix}")
 
 
 @contextlib.contextmanager
 def signals_held():
-    """Ctrl-C, SIGTERM and SIGHUP wait until the block is done; yields the list of those that
-    came meanwhile."""
+    """Ctrl-C, SIGTERM and SIGHUP wait until the block is done; yields those that came."""
     caught = []
     held = {signum: signal.signal(signum, lambda n, _: caught.append(n)) for signum in catchable()}
     try:
@@ -670,20 +657,18 @@ def signals_held():
 
 @contextlib.contextmanager
 def written_whole():
-    """A run's files are written whole: a Ctrl-C, SIGTERM or SIGHUP that comes meanwhile waits,
-    then ends the script, as does one whose exception was dropped earlier (RECEIVED)."""
+    """A signal that comes meanwhile, or whose exception was dropped earlier (RECEIVED), ends
+    the script once the block (a run's files) is done."""
     with signals_held() as caught:
         yield
-    caught = RECEIVED + caught  # stop() took one, yet the run is here: its exception was dropped
-    if caught:
+    if caught := RECEIVED + caught:  # RECEIVED: stop() took one whose exception was dropped
         message = f"stopped by {SIGNALS[caught[0]]} once the run was written whole"
         print(f"q_learning_gridworld.py: {message}", file=sys.stderr)  # asked for: not an "error:"
         sys.exit(128 + caught[0])
 
 
 def catchable() -> list[int]:
-    """SIGNALS but those ignored (nohup starts the script with SIGHUP ignored): those stay
-    ignored."""
+    """SIGNALS but those ignored, which stay ignored (nohup starts the script so for SIGHUP)."""
     return [signum for signum in SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
@@ -705,8 +690,7 @@ def describe(error: Exception) -> str:
 
 @contextlib.contextmanager
 def reading(path: Path):
-    """Reading a saved file (-> its path): whatever is wrong with it (damaged, hand-edited) is
-    one ValueError that names it."""
+    """Reading a saved file (-> its path): whatever is wrong with it is one ValueError naming it."""
     try:
         yield path
     except Exception as error:
@@ -715,8 +699,8 @@ def reading(path: Path):
 
 def read_csv(path: Path, columns: tuple[str, ...], num_seeds: int) -> dict:
     """write_csv's file -> {column: float array [seeds, points]}, parsed by numpy (a dict per row
-    took ~600 bytes a row: a run the memory check let through ran out of it here). Its rows must
-    be the summary's seeds in order, each at the same rising points (its second column)."""
+    would take ~600 bytes). Its rows must be the summary's seeds in order, each at the same
+    rising points (its second column)."""
     # utf-8-sig: a byte-order mark (a spreadsheet's save) is no part of the first column's name
     with (
         reading(path),
@@ -765,8 +749,7 @@ def save_run(output_dir: Path, summary: dict, out: dict) -> None:
 
 def saved_config(saved: dict) -> Config:
     """The Config of a run's summary.json. A setting it lacks (its default may not be the
-    run's), or a value of another type than its default's (hand-edited: 2.5 seeds), is a
-    ValueError; JSON may keep a float as an int."""
+    run's) or of another type than its default (2.5 seeds) is a ValueError."""
     defaults = {field.name: field.default for field in dataclasses.fields(Config)}
     for name, value in saved.items():
         if name not in defaults:  # a DQN run's "buffer_size", say
@@ -780,11 +763,7 @@ def saved_config(saved: dict) -> Config:
 
 
 def check_episodes(run_dir: Path, config: Config, curves: dict, first: dict) -> None:
-    """ValueError naming the file unless its numbers are ones the run could make: whole episode
-    counts, a mean length (1 to the time limit) and return (0 to 1) where one ended, blank where
-    none did, its curve points and first episodes as many as the config says, the last point at
-    its total steps, each episode's length within the limit and a seed's first episodes within
-    its steps."""
+    """ValueError naming the file unless its numbers are ones the run could make."""
     limit = config.max_episode_steps or config.total_timesteps
     with reading(run_dir / "curves.csv"):
         episodes, length = curves["episodes"], curves["mean_episode_length"]
@@ -969,10 +948,8 @@ def parse_config(argv: list[str] | None = None) -> Config | Path:
 
 
 def run_folder(template: str, overwrite: bool) -> str:
-    """The run's folder, checked (a `{time}` name is new: make_folder picks it). A folder named
-    outright that already holds files is refused, unless --overwrite, which replaces what a run
-    wrote there (see replacing) and refuses a folder that holds anything else (a folder, a
-    file of another name). ValueError('--flag ...')."""
+    """The run's folder, checked (a `{time}` one is new: make_folder picks it); ValueError. One
+    named outright must hold no files, or a run's alone with --overwrite (see replacing)."""
     if not template:  # "" would write into the current folder
         raise ValueError("--output-dir must name a folder, not be empty")
     given = f"--output-dir {template}"
@@ -1011,9 +988,8 @@ FOUND_EMPTY = {}  # folder named outright -> run_folder found it empty (or not t
 
 def make_folder(folder: str) -> Path:
     """Make the run's folder and lock it. `{time}` becomes the start time, then _2, _3 while
-    another run holds that name: mkdir is atomic, so two runs started in the same second never
-    share one. A folder named outright is an OSError if another running run has locked it, or
-    if a run that has ended wrote there since run_folder found it empty."""
+    taken (mkdir is atomic: two runs never share one). OSError if a folder named outright is
+    locked by a running run, or written by one that ended since run_folder found it empty."""
     path, stamp = Path(folder), time.strftime("%Y-%m-%d_%H-%M-%S")
     new = [p for p in Path(folder.replace("{time}", stamp)).parents if not p.exists()]
     made = "{time}" in folder or not path.exists()  # a folder of the user's stays theirs
@@ -1054,9 +1030,8 @@ def set_aside(path: Path) -> Path:
 
 @contextlib.contextmanager
 def replacing(folder: Path):
-    """Writes a run over a previous run's files (--overwrite), and nothing else: a file put there
-    meanwhile stays. The previous files, renamed aside (no space needed), stay until the new
-    run is written whole; if a write fails (a full disk, say), they are put back as they were."""
+    """Writes a run over a previous run's files (--overwrite), set aside (no space needed) until
+    the new run is written whole, put back as they were if a write fails (a full disk, say)."""
     paths, moved, started = [folder / name for name in RUN_NAMES], [], False
     try:
         for path in paths:  # first what a write cut short (a crash) left
@@ -1074,7 +1049,7 @@ def replacing(folder: Path):
             if set_aside(path).exists():
                 os.replace(set_aside(path), path)
         remove_if_empty(folder)  # made for this run, which wrote its files, then failed
-        if isinstance(error, OSError) and not started:  # it was a traceback
+        if isinstance(error, OSError) and not started:
             reason, stuck = error.strerror or error, error.filename or stuck  # as the OS names it
             fail(f"--overwrite: cannot set {stuck} aside ({reason}); the run there stays as it "
                  "was, and this one is not written", status=1)  # fmt: skip
@@ -1084,11 +1059,9 @@ def replacing(folder: Path):
 
 
 def check_backend() -> None:
-    """JAX_PLATFORMS naming a platform this machine lacks, or XLA_FLAGS asking for no CPU device,
-    fails at JAX's first use of a device, with a traceback: one line instead, before any work; so
-    does JAX_DISABLE_JIT, with which a run takes hours (or a traceback, a scan of 0 blocks).
-    That first use loads JAX's plugins (jax[cuda]'s loads CUDA's libraries), and JAX drops what a
-    plugin's initialize() raises, a signal's exception too: a signal waits until it is done."""
+    """One line, before any work, for a JAX_PLATFORMS or XLA_FLAGS that leaves JAX no device
+    (else a traceback at its first use) and for JAX_DISABLE_JIT (a run would take hours). JAX
+    drops what a plugin's initialize() raises, a signal's too: a signal waits until it is done."""
     if jax.config.jax_disable_jit:  # JAX_DISABLE_JIT=1, or main() under jax.disable_jit()
         fail(
             "JAX_DISABLE_JIT: the command line runs compiled only; to step through train(), call "
@@ -1102,17 +1075,14 @@ def check_backend() -> None:
                      os.environ.get(name)]  # fmt: skip
             if not given:  # neither: JAX's own error, as it is
                 raise
-            detail = (
-                str(error).splitlines()[0][:200] if str(error) else "JAX could start no platform"
-            )
+            detail = (str(error).splitlines() or ["JAX could start no platform"])[0][:200]
             fail(f"{', '.join(given)}: no JAX backend ({detail})")
     if caught:  # now to the handler in place again, which stops the run as anywhere else
         signal.raise_signal(caught[0])
 
 
 def remove_if_empty(folder: Path) -> None:
-    """A stopped run's folder and the parents made for it, removed if nothing was written; one
-    that was there before the run stays."""
+    """A stopped run's folder and the parents made for it (make_folder), removed if empty."""
     for path in MADE.get(folder.resolve(), []):
         with contextlib.suppress(OSError):  # rmdir removes only an empty folder
             path.rmdir()
@@ -1178,9 +1148,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 class BestEffortStream:
-    """stdout or stderr, written while it can be: once it cannot (its reader left, `| head -1`;
-    a full disk, `> /dev/full`; a closed terminal), its lines go to /dev/null and the run goes
-    on, to be saved whole."""
+    """stdout or stderr, written while it can be (not after `| head -1`, `> /dev/full`, a closed
+    terminal): then its lines go to /dev/null and the run goes on, to be saved whole."""
 
     def __init__(self, stream):
         if hasattr(stream, "reconfigure"):  # a folder name whose bytes its encoding cannot show
@@ -1209,9 +1178,8 @@ class BestEffortStream:
 
 
 class Stopped(BaseException):
-    """SIGTERM or SIGHUP (a closed terminal), raised in the main thread as Ctrl-C raises
-    KeyboardInterrupt; args[0] is the signal. A BaseException, as KeyboardInterrupt is: an
-    `except Exception` (JAX has some) must not swallow it."""
+    """SIGTERM or SIGHUP (args[0]), raised as Ctrl-C raises KeyboardInterrupt; a BaseException
+    as that is, so that an `except Exception` (JAX has some) does not swallow it."""
 
 
 RECEIVED: list[int] = []  # the signals stop() was called for
@@ -1227,8 +1195,7 @@ def stop(signum, frame):
 
 def stop_if_received() -> None:
     """Raises again the first signal stop() took: C code that clears errors (JAX's first import
-    of its MLIR dialects) may have dropped its exception, and the run gone on. Called before
-    training; written_whole checks RECEIVED after it."""
+    of its MLIR dialects) may have dropped its exception. written_whole checks after training."""
     if RECEIVED:
         stop(RECEIVED[0], None)
 
@@ -1239,10 +1206,9 @@ def ignore(signum, frame):
 
 
 def send_again(unraisable) -> None:
-    """sys.unraisablehook: Python prints and drops an exception raised in a garbage-collector
-    callback (JAX has one), a __del__ or a weakref callback, so a Ctrl-C or SIGTERM whose handler
-    ran there would be lost and the run go on. Such a signal is sent again 10 ms later, from a
-    timer, to whatever handles it then (and again if it lands in such a callback again)."""
+    """sys.unraisablehook: Python drops an exception raised in a garbage-collector callback (JAX
+    has one), a __del__ or a weakref callback, so a signal whose handler ran there would be lost.
+    Such a signal is sent again 10 ms later, from a timer, to whatever handles it then."""
     error = unraisable.exc_value
     if not isinstance(error, KeyboardInterrupt | Stopped):
         return sys.__unraisablehook__(unraisable)
