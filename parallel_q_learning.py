@@ -485,11 +485,9 @@ def chunks_per_device(config: Config, env: GridWorld, mesh: Mesh) -> int:
 
 
 def make_seed_keys(seed: int, num_seeds: int, mesh: Mesh, chunks: int = 1) -> jax.Array:
-    """Keys [num_seeds padded to a multiple of devices x chunks], sharded over the mesh.
-
-    Made inside jit with that output sharding, so each device makes only its own keys (also
-    across hosts). Seed i's key is fold_in(key(seed), i) whatever the padding, so results do
-    not depend on the device count; the padded seeds are dropped after training."""
+    """Keys [num_seeds padded to a multiple of devices x chunks], made inside jit, each device
+    its own (also across hosts). Seed i's key is fold_in(key(seed), i) whatever the padding, so
+    results do not depend on the device count; the padded seeds are dropped after training."""
     num_keys = math.ceil(num_seeds / (mesh.size * chunks)) * mesh.size * chunks
 
     @partial(jax.jit, out_shardings=NamedSharding(mesh, P("seeds")))
@@ -539,9 +537,9 @@ def validate(config: Config, plan: StepPlan) -> tuple[GridWorld, Path]:
     except LayoutError as error:
         raise ConfigError("layout", str(error)) from None
     # Two epsilons that explore_threshold rounds alike would train the same agents twice.
-    first = {}  # threshold: the index of the first epsilon with it
-    for k, threshold in enumerate(np.asarray(explore_threshold(jnp.float32(config.epsilons)))):
-        if (i := first.setdefault(int(threshold), k)) != k:
+    thresholds = np.asarray(explore_threshold(jnp.float32(config.epsilons))).tolist()
+    for k, threshold in enumerate(thresholds):
+        if (i := thresholds.index(threshold)) != k:
             alike = f"{config.epsilons[i]!r} and {config.epsilons[k]!r} explore alike"
             raise ConfigError("epsilons", f"{alike} (epsilon acts in steps of 2^-16)")
     if jax.process_index() == 0:  # process 0 writes for the cluster: the others' is not used
@@ -561,8 +559,8 @@ def validate(config: Config, plan: StepPlan) -> tuple[GridWorld, Path]:
     stats = [device.memory_stats() or {} for device in jax.local_devices()]  # this host's
     if jax.default_backend() != "cpu" and all("bytes_limit" in s for s in stats):
         limit = sum(s["bytes_limit"] for s in stats) / 2
-    else:
-        limit = host_memory() / 2
+    else:  # RAM, or a cgroup's limit (a container's, a Slurm job's --mem: past it, a silent kill)
+        limit = min(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), cgroup_limit()) / 2
     if 4 * per_agent > limit:  # one agent alone: name the flag of its largest part
         largest = max(per_agent_terms, key=per_agent_terms.get)
         raise ConfigError(largest, f"one agent needs about {4 * per_agent / 1e9:.1f} GB, more "
@@ -581,36 +579,24 @@ def validate(config: Config, plan: StepPlan) -> tuple[GridWorld, Path]:
     return env, Path(config.output_dir)
 
 
-def host_memory() -> int:
-    """Bytes of RAM, or the memory limit of a cgroup holding this process where lower: a
-    container's, or a Slurm job's --mem (past it the kernel kills the run, with no line)."""
-    return min(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), cgroup_limit())
-
-
 CGROUP_LIMITS = {"": "memory.max", "memory": "memory.limit_in_bytes"}  # cgroup v2, v1
 
 
 def cgroup_limit(proc=Path("/proc/self/cgroup"), root=Path("/sys/fs/cgroup")) -> float:
-    """The tightest memory limit, in bytes, of the cgroups holding this process and of their
-    parents (cgroup v2 or v1); inf where none is set ("max", no such files, not Linux)."""
-    limit = math.inf
-    for folder, name in cgroup_folders(proc, root):
-        with contextlib.suppress(OSError, ValueError):  # no such file; "max"
-            limit = min(limit, int((folder / CGROUP_LIMITS[name]).read_text()))
-    return limit
-
-
-def cgroup_folders(proc: Path, root: Path):
-    """Yields (folder, "" for cgroup v2 or "memory" for v1) of each memory cgroup holding this
-    process, then of each of its parents up to the root, where a limit may be set instead."""
+    """The tightest memory limit, in bytes, of the cgroups (v2 or v1) holding this process and
+    of their parents; inf where none is set ("max", no such files, not Linux)."""
     try:
         lines = proc.read_text().splitlines()  # "id:controllers:/path", v2's controllers ""
     except OSError:  # not Linux
-        return
+        return math.inf
+    limit = math.inf
     for _, controllers, path in (line.split(":", 2) for line in lines if line.count(":") >= 2):
         for name in {"", "memory"} & set(controllers.split(",")):
             for folder in (PurePosixPath(path), *PurePosixPath(path).parents):
-                yield root / name / str(folder).lstrip("/"), name
+                limit_file = root / name / str(folder).lstrip("/") / CGROUP_LIMITS[name]
+                with contextlib.suppress(OSError, ValueError):  # no such file; "max"
+                    limit = min(limit, int(limit_file.read_text()))
+    return limit
 
 
 def plural(count: int, noun: str) -> str:
@@ -733,7 +719,6 @@ def summarize_grid(config: Config, env: GridWorld, plan: StepPlan, result: Train
     the share of training steps whose curve point has an optimal greedy path (how fast, not
     only where to; a shorter last point weighs less)."""
     exact = {gamma: float(value_iteration(env, gamma)[env.start].max()) for gamma in config.gammas}
-    shortest = env.shortest_path  # steps from S to G
     weights = np.diff(curve_steps(config, plan), prepend=0)  # steps each point stands for
     rows = []
     for g, point in enumerate(grid_points(config)):
@@ -742,9 +727,9 @@ def summarize_grid(config: Config, env: GridWorld, plan: StepPlan, result: Train
         rows.append(
             {
                 **point._asdict(),
-                "shortest_path": shortest,
+                "shortest_path": env.shortest_path,
                 "greedy_path_length": mean_ci(paths[:, -1]),
-                **heatmap_measures(paths, shortest, weights),
+                **heatmap_measures(paths, env.shortest_path, weights),
                 "value_iteration_start_value": exact[point.gamma],
                 "start_value_abs_error": mean_ci(np.abs(start_value - exact[point.gamma])),
                 "episodes_completed": mean_ci(np.asarray(result.curve.episodes[g]).sum(axis=1)),
@@ -766,9 +751,8 @@ SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "S
 @contextlib.contextmanager
 def atomic_open(path: Path, mode: str = "w", together: list | None = None):
     """Write to a temporary name beside path, then rename: no reader sees half a file. Given
-    `together`, the files written before, the rename waits for rename_all(together): files
-    written one after another appear all or none. A write that fails (a full disk, say) ends the
-    script with one line; no temporary file stays."""
+    `together`, the rename waits for rename_all(together): the files appear all or none. A write
+    that fails (a full disk, say) ends the script with one line; no temporary file stays."""
     pending = [] if together is None else together
     try:  # a new file: one at that name could be a link, and writing through it writes elsewhere
         temporary(path).unlink(missing_ok=True)
@@ -788,9 +772,8 @@ def atomic_open(path: Path, mode: str = "w", together: list | None = None):
 
 
 def rename_all(paths: list[Path]) -> None:
-    """Each file written under its temporary name (atomic_open's `together`) to its own. A name
-    a folder holds is one line before any is renamed (a rename failing half way left a mix of
-    old and new files, and a temporary one), no temporary file left."""
+    """Each file written under its temporary name (atomic_open's `together`) to its own; a name a
+    folder holds is one line before any is renamed, so no mix of old and new files is left."""
     if taken := [path for path in paths if path.is_dir()]:
         for path in paths:
             temporary(path).unlink(missing_ok=True)
@@ -799,10 +782,10 @@ def rename_all(paths: list[Path]) -> None:
         os.replace(temporary(path), path)
 
 
-def temporary(path: Path) -> Path:
-    """Where a file is written before it is renamed to `path` (the suffix last: a writer may
-    pick the format by it)."""
-    return path.with_name(f".{path.stem}.tmp{path.suffix}")
+def temporary(path: Path, kind: str = "tmp") -> Path:
+    """Where a file is written before it is renamed to `path` ("old": where --overwrite keeps
+    the previous run's file meanwhile). The suffix last: a writer may pick the format by it."""
+    return path.with_name(f".{path.stem}.{kind}{path.suffix}")
 
 
 @contextlib.contextmanager
@@ -820,9 +803,8 @@ def signals_held():
 
 @contextlib.contextmanager
 def written_whole(what: str = "the run"):
-    """A run's files (or `what`) are written whole: a Ctrl-C, SIGTERM or SIGHUP that comes
-    meanwhile waits, then ends the script, as does one whose exception was dropped earlier
-    (RECEIVED)."""
+    """A run's files (or `what`) are written whole: a signal that comes meanwhile waits, then
+    ends the script, as does one whose exception was dropped earlier (RECEIVED)."""
     with signals_held() as caught:
         yield
     caught = RECEIVED + caught  # stop() took one, yet the run is here: its exception was dropped
@@ -833,8 +815,7 @@ def written_whole(what: str = "the run"):
 
 
 def catchable() -> list[int]:
-    """SIGNALS but those ignored (nohup starts the script with SIGHUP ignored): those stay
-    ignored."""
+    """SIGNALS but those ignored (nohup's SIGHUP), which stay ignored."""
     return [signum for signum in SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
@@ -847,9 +828,8 @@ def curve_steps(config: Config, plan: StepPlan) -> np.ndarray:
 def save_run(
     output: Path, summary: dict, config: Config, plan: StepPlan, result: TrainResult
 ) -> None:
-    """RUN_FILES: the summary; curves.csv, one row per grid point x seed x curve point; the
-    final Q-tables [grid, seeds, rows, cols, actions]. The figures are drawn from these. All
-    three or none: a full disk half way left a summary without its Q-tables."""
+    """RUN_FILES, all three or none: the summary; curves.csv, one row per grid point x seed x
+    curve point; the final Q-tables [grid, seeds, rows, cols, actions]. The figures use these."""
     written = []  # renamed together once all are written
     with atomic_open(output / "summary.json", together=written) as file:
         json.dump(summary, file, indent=2, allow_nan=False)  # strict JSON: no NaN in it
@@ -1004,8 +984,7 @@ MOST_PANELS = 8  # gammas drawn side by side, in each figure
 
 def shown_gammas(count: int) -> list[int]:
     """The indices of the gammas a figure draws: all, or MOST_PANELS spread evenly over them,
-    the first and last among them (a panel each made 400 gammas 1,400 inches wide, ten
-    minutes of drawing while a Ctrl-C waited for the files)."""
+    the first and last among them (a panel each for 400 gammas took minutes to draw)."""
     return sorted({round(i) for i in np.linspace(0, count - 1, min(count, MOST_PANELS))})
 
 
@@ -1213,7 +1192,7 @@ def run_folder(template: str, overwrite: bool) -> str:
         raise ValueError(f"{given} is not a folder") from None
     except OSError:  # no such folder yet (it is made later), or a name the OS refuses
         held = []
-    ours = {*RUN_NAMES, *(f(Path(name)).name for name in RUN_NAMES for f in (temporary, set_aside))}
+    ours = {*RUN_NAMES, *(temporary(Path(n), k).name for n in RUN_NAMES for k in ("tmp", "old"))}
     if foreign := [path.name for path in held if path.is_dir() or path.name not in ours]:
         raise ValueError(
             f"{given} holds {foreign[0]}, which no run of this script "
@@ -1272,11 +1251,6 @@ def make_folder(folder: str) -> Path:
     return path
 
 
-def set_aside(path: Path) -> Path:
-    """Where --overwrite keeps a previous run's file while the new run is written."""
-    return path.with_name(f".{path.stem}.old{path.suffix}")
-
-
 @contextlib.contextmanager
 def replacing(folder: Path):
     """Writes a run over a previous run's files (--overwrite), and nothing else: a file put there
@@ -1286,9 +1260,9 @@ def replacing(folder: Path):
     try:
         for path in paths:  # first what a write cut short (a crash) left
             temporary(path).unlink(missing_ok=True)
-            set_aside(path).unlink(missing_ok=True)
+            temporary(path, "old").unlink(missing_ok=True)
             if path.exists():
-                os.replace(path, set_aside(path))
+                os.replace(path, temporary(path, "old"))
                 moved.append(path)
         started = True
         yield
@@ -1296,24 +1270,22 @@ def replacing(folder: Path):
         stuck = path  # if not started: the file that would not move (immutable, another user's)
         for path in paths if started else moved:
             path.unlink(missing_ok=True)  # the new run's
-            if set_aside(path).exists():
-                os.replace(set_aside(path), path)
+            if temporary(path, "old").exists():
+                os.replace(temporary(path, "old"), path)
         remove_if_empty(folder)  # made for this run, which wrote its files, then failed
-        if isinstance(error, OSError) and not started:  # it was a traceback
+        if isinstance(error, OSError) and not started:
             reason, stuck = error.strerror or error, error.filename or stuck  # as the OS names it
             fail(f"--overwrite: cannot set {stuck} aside ({reason}); the run there stays as it "
                  "was, and this one is not written", status=1)  # fmt: skip
         raise
     for path in paths:
-        set_aside(path).unlink(missing_ok=True)
+        temporary(path, "old").unlink(missing_ok=True)
 
 
 def check_backend() -> None:
-    """JAX_PLATFORMS naming a platform this machine lacks, or XLA_FLAGS asking for no CPU device,
-    fails at JAX's first use of a device, with a traceback: one line instead, before any work; so
-    does JAX_DISABLE_JIT, with which a run takes hours (or a traceback, a scan of 0 blocks).
-    That first use loads JAX's plugins (jax[cuda]'s loads CUDA's libraries), and JAX drops what a
-    plugin's initialize() raises, a signal's exception too: a signal waits until it is done."""
+    """One line, before any work, for a JAX_PLATFORMS or XLA_FLAGS that leaves JAX no device
+    (else a traceback at its first use), or JAX_DISABLE_JIT (a run of hours). That first use
+    loads JAX's plugins, and JAX drops what one raises, a signal's exception too: it waits."""
     if jax.config.jax_disable_jit:  # JAX_DISABLE_JIT=1, or main() under jax.disable_jit()
         fail(
             "JAX_DISABLE_JIT: the command line runs compiled only; to step through train(), call "
@@ -1323,9 +1295,7 @@ def check_backend() -> None:
         try:
             jax.devices()
         except Exception as error:  # a RuntimeError, or an AssertionError for a missing cuda
-            detail = (
-                str(error).splitlines()[0][:200] if str(error) else "JAX could start no platform"
-            )
+            detail = (str(error) or "JAX could start no platform").splitlines()[0][:200]
             # A cluster's wait for every process's list of devices, timed out:
             if jax.distributed.is_initialized() and "topolog" in detail:
                 detail = detail.partition(" (you may need to uninstall")[0]  # JAX's plugin hint
@@ -1482,10 +1452,8 @@ def join_cluster(coordinator_address, num_processes, process_id, cluster_timeout
 
 
 def check_same_flags(config: Config) -> None:
-    """One line naming a flag whose value differs between the processes of a cluster: each would
-    train its share of the agents with its own value (or JAX abort on another shape). First, the
-    number of devices of each process: the gather lays them out [processes, devices], so with
-    other numbers none can run (it failed, blaming the other process)."""
+    """One line naming a flag whose value differs between the processes of a cluster (each would
+    train its share with its own value), or their numbers of devices (the gather needs equal)."""
     devices = Counter(device.process_index for device in jax.devices())  # of each process
     if len(set(devices.values())) > 1:
         coordinator_ends_last()  # whose sync fails at once too: what stays is process 0's wait
@@ -1526,9 +1494,8 @@ def gloo_quiet():
 
 
 def coordinator_ends_last() -> None:
-    """Before every process ends with the same error: JAX aborts a process that its coordinator,
-    process 0, ends before, and the watcher would then print its own line instead. A process
-    that has ended already (another script, say) is no error here: this one's line follows."""
+    """Before every process ends with the same error: JAX aborts a process whose coordinator,
+    process 0, ends first (the watcher's line would replace this one's)."""
     with contextlib.suppress(jax.errors.JaxRuntimeError, ValueError):  # gloo raises the latter
         multihost_utils.sync_global_devices("every process ends")
     if jax.process_index() == 0:
@@ -1687,9 +1654,7 @@ def stop(signum, frame):
 
 def stop_if_received() -> None:
     """Raises again the first signal stop() took: C code that clears errors (JAX's first import
-    of its MLIR dialects) may have dropped its exception, and the run gone on. Called once
-    compiled, after a failed training call, and on processes other than 0 (on process 0,
-    written_whole checks RECEIVED)."""
+    of its MLIR dialects) may have dropped its exception, and the run gone on."""
     if RECEIVED:
         stop(RECEIVED[0], None)
 
@@ -1700,10 +1665,9 @@ def ignore(signum, frame):
 
 
 def send_again(unraisable) -> None:
-    """sys.unraisablehook: Python prints and drops an exception raised in a garbage-collector
-    callback (JAX has one), a __del__ or a weakref callback, so a Ctrl-C or SIGTERM whose handler
-    ran there would be lost and the run go on. Such a signal is sent again 10 ms later, from a
-    timer, to whatever handles it then (and again if it lands in such a callback again)."""
+    """sys.unraisablehook: Python drops an exception raised in a garbage-collector callback (JAX
+    has one), a __del__ or a weakref callback, so a signal whose handler ran there is sent again
+    10 ms later, from a timer, to whatever handles it then."""
     error = unraisable.exc_value
     if not isinstance(error, KeyboardInterrupt | Stopped):
         return sys.__unraisablehook__(unraisable)
@@ -1736,12 +1700,10 @@ def die_with_parent() -> None:
 
 
 def watch(argv: list[str]) -> int:
-    """Processes other than 0 of a cluster do their work in a child process and watch it: JAX
-    ends a process whose coordinator, process 0, has died with an abort and a C++ stack trace,
-    which this turns into one line. The child's stderr (it reports errors only) waits for its
-    end. The child has a session of its own, and each Ctrl-C, SIGTERM or SIGHUP reaches it
-    passed on from here, once, whether sent to the terminal's process group or to this pid
-    alone (a Ctrl-C or SIGHUP sent to this pid alone was ignored, and the run went on)."""
+    """Processes other than 0 of a cluster work in a child process and watch it: JAX ends one
+    whose coordinator, process 0, has died with an abort and a C++ stack trace; this prints one
+    line instead. The child's stderr waits for its end. The child has a session of its own: each
+    signal reaches it once, from here, whether sent to the process group or to this pid alone."""
     child = subprocess.Popen(
         [sys.executable, __file__, *argv],
         env={**os.environ, "PARALLEL_Q_LEARNING_WATCHED": "1"},
