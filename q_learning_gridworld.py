@@ -399,8 +399,7 @@ CPU_MIN_SEEDS_TO_VMAP = 32
 
 
 def wait(tree):
-    """jax.block_until_ready that keeps Python responsive meanwhile: a Ctrl-C or SIGTERM is
-    handled within 0.1 s, not only when the compiled call returns."""
+    """jax.block_until_ready that handles a Ctrl-C or SIGTERM within 0.1 s, not at the end."""
     for leaf in jax.tree.leaves(tree):
         while not leaf.is_ready():
             time.sleep(0.05)
@@ -582,10 +581,9 @@ def summarize(config: Config, env: GridWorld, q_values: np.ndarray, timings: dic
 
 
 def expected_episode_length(env: GridWorld, epsilon: float, gamma: float) -> float | None:
-    """Mean steps from S to G of epsilon-greedy on Q* (ties uniform): why even a perfect
-    learner's training episodes stay above the shortest path while it keeps exploring. None
-    where it is not worth drawing: a time limit (it cuts the episodes), a map too large to solve
-    for cheaply, or a Q* of zeros at S (gamma 0, or gamma^(shortest - 1) below the tolerance)."""
+    """Mean steps from S to G of epsilon-greedy on Q* (ties uniform): why even a perfect learner's
+    episodes stay above the shortest path while it explores. None with a time limit (it cuts the
+    episodes), a map too large to solve cheaply, or a Q*(S) of zeros (gamma 0, or tiny gamma^n)."""
     if env.num_cells > 2_500 or env.max_episode_steps:
         return None
     q = value_iteration(env, gamma)
@@ -728,9 +726,8 @@ SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "S
 
 
 def save_run(output_dir: Path, summary: dict, out: dict) -> None:
-    """RUN_FILES: the summary, the curves and first episode lengths (0: not ended) per seed,
-    and the final Q-tables [seeds, rows, cols, 4]: all that the figure is drawn from. All four
-    or none: a full disk half way left a summary without its Q-tables."""
+    """RUN_FILES, all or none: the summary, the curves and first episode lengths (0: not ended)
+    per seed, the final Q-tables [seeds, rows, cols, 4]: all that the figure is drawn from."""
     metrics, seed = out["metrics"], np.arange(len(out["q_values"]))[:, None]
     written = []  # renamed together once all are written
     with atomic_open(output_dir / "summary.json", together=written) as file:
