@@ -396,6 +396,19 @@ G..#.....#..
 # On CPU, vmap turns each step's lookups and Q-update into batched gathers and scatters, which
 # beat one seed after another only from about this many seeds a device (measured: see README).
 CPU_MIN_SEEDS_TO_VMAP = 32
+# Larger is not a map anyone draws by hand, and parsing it in Python would take minutes.
+MAX_MAP_BYTES = 256 * 1024  # about 500 x 500 cells
+CGROUP_LIMITS = {"": "memory.max", "memory": "memory.limit_in_bytes"}  # cgroup v2, v1
+XLA_FLAGS = os.environ.get("XLA_FLAGS")  # as this script, imported, set them for JAX
+RUN_FILES = ("summary.json", "curves.csv", "first_episodes.csv", "q_tables.npy")
+RUN_NAMES = (*RUN_FILES, "q_learning_gridworld.png")  # all a run writes
+SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+RECEIVED: list[int] = []  # the signals stop() was called for
+LOCKED = {}  # folder -> the descriptor whose lock this process holds until it ends
+MADE = {}  # folder -> the folders make_folder made for it: itself if new, parents nearest first
+FOUND_EMPTY = {}  # folder named outright -> run_folder found it empty (or not there yet)
+# A message's control characters (a newline in a folder's name) shown escaped: still one line.
+ESCAPED = {code: repr(chr(code))[1:-1] for code in (*range(32), 127)}
 
 
 def wait(tree):
@@ -448,9 +461,6 @@ def host_memory() -> int:
     """Bytes of RAM, or the memory limit of a cgroup holding this process where lower: a
     container's, or a Slurm job's --mem (past it the kernel kills the run, with no line)."""
     return min(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), cgroup_limit())
-
-
-CGROUP_LIMITS = {"": "memory.max", "memory": "memory.limit_in_bytes"}  # cgroup v2, v1
 
 
 def cgroup_limit(proc=Path("/proc/self/cgroup"), root=Path("/sys/fs/cgroup")) -> float:
@@ -538,9 +548,6 @@ def greedy_path(env: GridWorld, q: np.ndarray) -> list[int] | None:
         if cells[-1] == env.map.goal:
             return cells
     return None
-
-
-XLA_FLAGS = os.environ.get("XLA_FLAGS")  # as this script, imported, set them for JAX
 
 
 def jax_settings() -> dict:
@@ -720,11 +727,6 @@ def read_csv(path: Path, columns: tuple[str, ...], num_seeds: int) -> dict:
         return table
 
 
-RUN_FILES = ("summary.json", "curves.csv", "first_episodes.csv", "q_tables.npy")
-RUN_NAMES = (*RUN_FILES, "q_learning_gridworld.png")  # all a run writes
-SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
-
-
 def save_run(output_dir: Path, summary: dict, out: dict) -> None:
     """RUN_FILES, all or none: the summary, the curves and first episode lengths (0: not ended)
     per seed, the final Q-tables [seeds, rows, cols, 4]: all that the figure is drawn from."""
@@ -869,18 +871,10 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-# A message's control characters (a newline in a folder's name) shown escaped: still one line.
-ESCAPED = {code: repr(chr(code))[1:-1] for code in (*range(32), 127)}
-
-
 def fail(message: str, status: int = 2):
     """Exit with one line on stderr, status 2 (argparse would add its usage) unless given."""
     print(f"q_learning_gridworld.py: error: {message.translate(ESCAPED)}", file=sys.stderr)
     sys.exit(status)
-
-
-# Larger is not a map anyone draws by hand, and parsing it in Python would take minutes.
-MAX_MAP_BYTES = 256 * 1024  # about 500 x 500 cells
 
 
 def read_layout(value: str) -> str:
@@ -976,11 +970,6 @@ def run_folder(template: str, overwrite: bool) -> str:
     except (OSError, RuntimeError) as error:
         raise ValueError(f"{given}: {error}") from None
     return template
-
-
-LOCKED = {}  # folder -> the descriptor whose lock this process holds until it ends
-MADE = {}  # folder -> the folders make_folder made for it: itself if new, parents nearest first
-FOUND_EMPTY = {}  # folder named outright -> run_folder found it empty (or not there yet)
 
 
 def make_folder(folder: str) -> Path:
@@ -1177,9 +1166,6 @@ class BestEffortStream:
 class Stopped(BaseException):
     """SIGTERM or SIGHUP (args[0]), raised as Ctrl-C raises KeyboardInterrupt; a BaseException
     as that is, so that an `except Exception` (JAX has some) does not swallow it."""
-
-
-RECEIVED: list[int] = []  # the signals stop() was called for
 
 
 def stop(signum, frame):
