@@ -540,8 +540,7 @@ def value_iteration(env: GridWorld, gamma: float) -> np.ndarray:
 
 
 def greedy_path(env: GridWorld, q: np.ndarray) -> list[int] | None:
-    """Cells visited following argmax Q [num_cells, 4] from S (first maximum on ties), or
-    None when the walk does not reach G within num_cells steps (a loop or a dead end)."""
+    """Cells from S to G along argmax Q [cells, 4] (first on ties); None: a loop or dead end."""
     cells = [env.map.start]
     for _ in range(env.num_cells):
         cells.append(int(env.map.next_cell[cells[-1], np.argmax(q[cells[-1]])]))
@@ -703,9 +702,8 @@ def reading(path: Path):
 
 
 def read_csv(path: Path, columns: tuple[str, ...], num_seeds: int) -> dict:
-    """write_csv's file -> {column: float array [seeds, points]}, parsed by numpy (a dict per row
-    would take ~600 bytes). Its rows must be the summary's seeds in order, each at the same
-    rising points (its second column)."""
+    """write_csv's file -> {column: float array [seeds, points]}, parsed by numpy (a dict a row
+    took ~600 bytes). Its rows must be the summary's seeds in order, at the same rising column 2."""
     # utf-8-sig: a byte-order mark (a spreadsheet's save) is no part of the first column's name
     with (
         reading(path),
@@ -899,8 +897,7 @@ def read_layout(value: str) -> str:
 
 
 def parse_config(argv: list[str] | None = None) -> Config | Path:
-    """Config from the command line: one --flag per field, with its help and default; or,
-    with --replot DIR, the saved run whose figure to redraw."""
+    """Config from the command line (a --flag per field, with its help), or --replot's DIR."""
     parser = argparse.ArgumentParser(
         prog="q_learning_gridworld.py",
         description=__doc__.splitlines()[0],
