@@ -380,10 +380,9 @@ def hparam_grid(config: Config) -> HParams:
 def make_sweep(train: Callable) -> Callable:
     """train(rng, hparams) -> sweep(keys [seeds], grid HParams [grid]) -> results [grid, seeds].
 
-    Each (seed, grid point) pair is one agent on one flat vmapped axis (one vmap, not one
-    nested in another). Every grid point runs with the same seeds' keys, on purpose: common
-    random numbers make the comparison between settings less noisy (the seeds themselves are
-    independent)."""
+    Each (seed, grid point) pair is one agent on one flat vmapped axis. Every grid point runs
+    with the same seeds' keys, on purpose: common random numbers make the comparison between
+    settings less noisy (the seeds themselves are independent)."""
 
     def sweep(keys: jax.Array, grid: HParams) -> TrainResult:
         num_seeds, grid_size = keys.shape[0], grid.learning_rate.shape[0]
@@ -530,8 +529,7 @@ def check_output_dir(output_dir: str) -> None:
 
 
 def validate(config: Config, plan: StepPlan) -> tuple[GridWorld, Path]:
-    """The checks that need the map or the machine (or JAX), before anything is written -> (the
-    env, the run's folder, made on process 0)."""
+    """The checks that need the map or JAX, before any write -> (env, folder made on process 0)."""
     try:
         env = make_env(config.layout, config.max_episode_steps)
     except LayoutError as error:
@@ -545,8 +543,7 @@ def validate(config: Config, plan: StepPlan) -> tuple[GridWorld, Path]:
     if jax.process_index() == 0:  # process 0 writes for the cluster: the others' is not used
         check_output_dir(config.output_dir)
     # Per agent, in 4-byte words, by the flag that drives each part: the Q-table thrice (scan
-    # carry, loop buffer, output), a block of random bits and its scan slices, the curve. Half
-    # the memory is left to XLA and others.
+    # carry, loop buffer, output), a block of bits and its scan slices, the curve. Half is spare.
     per_agent_terms = {
         "layout": 3 * env.num_cells * NUM_ACTIONS,
         "rng_block_steps": 2 * plan.block_steps,
@@ -604,14 +601,12 @@ def plural(count: int, noun: str) -> str:
 
 
 def run_sweep(config, env, plan, mesh, chunks) -> tuple[TrainResult, dict]:
-    """Compile and run make_sweep over the mesh, printing progress -> (numpy [grid, seeds, ...],
-    timings)."""
+    """Compile and run make_sweep over the mesh -> (numpy [grid, seeds, ...], timings)."""
     num_agents = len(grid_points(config)) * config.num_seeds
-    # on_point: per device, chunk and point; in a cluster, this process's devices only.
+    # on_point: per device (this process's), chunk and point, on a device's thread (or on a GPU,
+    # the main thread): next() is atomic, a line is one write.
     local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
     total_calls = local_devices * chunks * plan.num_points
-    # on_point runs on a device's thread (or on a GPU, the main thread): next() is atomic, a
-    # line is one write.
     calls, clock = itertools.count(1), {"start": 0.0}
 
     def on_point(_) -> None:
@@ -705,8 +700,7 @@ def versions() -> dict:
 
 
 def heatmap_measures(paths: np.ndarray, shortest: int, weights: np.ndarray) -> dict:
-    """HEATMAP_MEASURES of one grid point from its greedy path lengths [seeds, points], each
-    curve point weighing the steps it stands for."""
+    """HEATMAP_MEASURES of a grid point from its greedy path lengths [seeds, points], weighted."""
     on_path = paths == shortest
     return {
         "greedy_path_optimal_fraction": share_ci(on_path[:, -1]),
@@ -790,8 +784,7 @@ def temporary(path: Path, kind: str = "tmp") -> Path:
 
 @contextlib.contextmanager
 def signals_held():
-    """Ctrl-C, SIGTERM and SIGHUP wait until the block is done; yields the list of those that
-    came meanwhile."""
+    """Ctrl-C, SIGTERM and SIGHUP wait until the block is done; yields those that came."""
     caught = []
     held = {signum: signal.signal(signum, lambda n, _: caught.append(n)) for signum in catchable()}
     try:
@@ -807,8 +800,7 @@ def written_whole(what: str = "the run"):
     ends the script, as does one whose exception was dropped earlier (RECEIVED)."""
     with signals_held() as caught:
         yield
-    caught = RECEIVED + caught  # stop() took one, yet the run is here: its exception was dropped
-    if caught:
+    if caught := RECEIVED + caught:  # RECEIVED: stop() took one, yet its exception was dropped
         message = f"stopped by {SIGNALS[caught[0]]} once {what} was written whole"
         print(f"parallel_q_learning.py: {message}", file=sys.stderr)  # asked for: not an "error:"
         sys.exit(128 + caught[0])
@@ -858,8 +850,7 @@ def describe(error: Exception) -> str:
 
 @contextlib.contextmanager
 def reading(path: Path):
-    """Reading a saved file (-> its path): whatever is wrong with it (damaged, hand-edited) is
-    one ValueError that names it."""
+    """Reading a saved file (-> its path): whatever is wrong with it is one ValueError naming it."""
     try:
         yield path
     except Exception as error:
@@ -994,9 +985,8 @@ def of_all(shown: list[int], gammas: list[float]) -> str:
 
 
 def plot_heatmap(summary: dict):
-    """Quality over learning rate x epsilon: one column of panels per gamma drawn (at most
-    MOST_PANELS), one row per measure; each colour scale spans those, and a small grid's cells
-    give their mean and 95% CI."""
+    """Quality over learning rate x epsilon: a column of panels per gamma drawn, a row per measure
+    (each colour scale spans its row); a small grid's cells give their mean and 95% CI."""
     import matplotlib.pyplot as plt
 
     lrs, epsilons, gammas = (summary["config"][k] for k in ("learning_rates", "epsilons", "gammas"))
@@ -1135,12 +1125,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config | Path, dict]:
     parser.error = fail  # argparse's usage + error is two lines; one is enough
     for field in dataclasses.fields(Config):
         # Defaults as typed: argparse converts a string default like a typed value.
-        default, convert = field.default, field.type
+        default, convert, text = field.default, field.type, field.metadata["help"]
         if field.type == tuple[float, ...]:
             default, convert = ",".join(f"{x:g}" for x in default), parse_float_list
         elif field.name == "layout":  # left out: the Config's map, not a file named "default"
-            default, convert = argparse.SUPPRESS, read_layout
-        text = field.metadata["help"] + (" (default: default)" if field.name == "layout" else "")
+            default, convert, text = argparse.SUPPRESS, read_layout, f"{text} (default: default)"
         flag = "--" + field.name.replace("_", "-")
         parser.add_argument(flag, type=convert, default=default, help=text)
     replot = {"metavar": "DIR", "default": argparse.SUPPRESS}  # no "(default: ...)"
@@ -1174,9 +1163,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config | Path, dict]:
 
 def run_folder(template: str, overwrite: bool) -> str:
     """The run's folder, checked (a `{time}` name is new: make_folder picks it). A folder named
-    outright that already holds files is refused, unless --overwrite, which replaces what a run
-    wrote there (see replacing) and refuses a folder that holds anything else (a folder, a
-    file of another name). ValueError('--flag ...')."""
+    outright that holds files is refused, unless --overwrite, which replaces a run's files there
+    (see replacing) but refuses anything else. ValueError('--flag ...')."""
     if not template:  # "" would write into the current folder
         raise ValueError("--output-dir must name a folder, not be empty")
     given = f"--output-dir {template}"
@@ -1215,9 +1203,8 @@ FOUND_EMPTY = {}  # folder named outright -> run_folder found it empty (or not t
 
 def make_folder(folder: str) -> Path:
     """Make the run's folder and lock it. `{time}` becomes the start time, then _2, _3 while
-    another run holds that name: mkdir is atomic, so two runs started in the same second never
-    share one. A folder named outright is an OSError if another running run has locked it, or
-    if a run that has ended wrote there since run_folder found it empty."""
+    another run holds that name (mkdir is atomic). A folder named outright is an OSError if a
+    running run has locked it, or if a run that has ended wrote there since run_folder looked."""
     path, stamp = Path(folder), time.strftime("%Y-%m-%d_%H-%M-%S")
     new = [p for p in Path(folder.replace("{time}", stamp)).parents if not p.exists()]
     made = "{time}" in folder or not path.exists()  # a folder of the user's stays theirs
@@ -1310,8 +1297,7 @@ def check_backend() -> None:
 
 
 def remove_if_empty(folder: Path) -> None:
-    """A stopped run's folder and the parents made for it, removed if nothing was written; one
-    that was there before the run stays."""
+    """Removes a stopped run's folder and the parents made for it if empty, not one made before."""
     try:  # a loop of symbolic links never resolves: nothing was made for it
         made = MADE.get(folder.resolve(), [])
     except (OSError, RuntimeError):
@@ -1328,15 +1314,12 @@ def read_knock(connection: socket.socket) -> tuple[int, int] | None:
     """(process id, --num-processes) that a knock on the probe sends within a second, or None
     for any other connection (the JAX client of a process that has knocked, say)."""
     line, end = b"", time.monotonic() + 1  # a second in all, however slowly the bytes come
-    with connection:
-        try:
-            while b"\n" not in line and len(line) < 100 and time.monotonic() < end:
-                connection.settimeout(max(end - time.monotonic(), 1e-3))
-                if not (more := connection.recv(100)):
-                    break
-                line += more
-        except OSError:  # said nothing more within the second
-            pass
+    with connection, contextlib.suppress(OSError):  # OSError: said nothing more in the second
+        while b"\n" not in line and len(line) < 100 and time.monotonic() < end:
+            connection.settimeout(max(end - time.monotonic(), 1e-3))
+            if not (more := connection.recv(100)):
+                break
+            line += more
     words = line.partition(b"\n")[0].decode(errors="replace").split()
     numbers = words[1:] if len(words) == 3 and words[0] == KNOCK else []
     if not numbers or not all(n.isascii() and n.isdigit() for n in numbers):
@@ -1405,9 +1388,8 @@ def check_coordinator(address: str, process_id: int, num_processes: int, timeout
 
 def join_cluster(coordinator_address, num_processes, process_id, cluster_timeout) -> None:
     """Make the processes of a run one JAX cluster, before anything touches a device: from the
-    flags, or with none of them by JAX's own detection when a SLURM or Open MPI job of several
-    tasks is found. Then jax.devices() lists every process's devices and the seeds are sharded
-    over all of them. Processes other than 0 print nothing to stdout and write nothing."""
+    flags, or without them by JAX's own detection in a SLURM or Open MPI job of several tasks.
+    Processes other than 0 print nothing to stdout and write nothing."""
     flags = (coordinator_address, num_processes, process_id)
     if not 1 <= cluster_timeout < 2**31:  # False for NaN; JAX takes int32 seconds
         fail(f"--cluster-timeout must be in [1, 2^31) seconds, got {cluster_timeout}")
@@ -1415,9 +1397,8 @@ def join_cluster(coordinator_address, num_processes, process_id, cluster_timeout
     timeouts = {"initialization_timeout": seconds, "heartbeat_timeout_seconds": seconds}
 
     def recover():
-        """A process that dies is an error where the others next wait for it (the gather of the
-        results), not an abort with a C++ stack trace in every other process; and a wait for the
-        processes' CPU device lists is --cluster-timeout (JAX's are 2 and 5 minutes)."""
+        """A process that dies is an error where the others next wait for it, not an abort with a
+        C++ trace in each; a wait for the device lists is --cluster-timeout (JAX's: 2 and 5 min)."""
         jax.config.update("jax_enable_recoverability", True)
         minutes = math.ceil(cluster_timeout / 60)  # JAX counts these in whole minutes
         jax.config.update("jax_cpu_get_local_topology_timeout_minutes", minutes)
@@ -1475,8 +1456,7 @@ def check_same_flags(config: Config) -> None:
 @contextlib.contextmanager
 def gloo_quiet():
     """gloo's C++ prints "[Gloo] Rank N is connected to M peer ranks..." to file descriptor 1 in
-    every process as the first gather connects: noise in process 0's report, and the only line
-    of the others, which print nothing. Meanwhile that descriptor points to /dev/null."""
+    every process as the first gather connects: meanwhile that descriptor points to /dev/null."""
     if sys.stdout:
         sys.stdout.flush()
     try:
@@ -1727,8 +1707,7 @@ if __name__ == "__main__":
     sys.unraisablehook = send_again  # before any handler that raises
     for signum in catchable():  # nohup's SIGHUP stays ignored
         signal.signal(signum, stop)
-    # JAX logs an exception raised in a callback, with its traceback: not a signal's (main
-    # prints its one line).
+    # JAX logs an exception raised in a callback with its traceback: not a signal's (one line).
     logging.getLogger("jax._src.debugging").addFilter(
         lambda record: not (record.exc_info and record.exc_info[0] in (KeyboardInterrupt, Stopped))
     )
