@@ -1219,9 +1219,8 @@ if __name__ == "__main__":
         for signum in SIGNALS:  # a second signal (a process group's, say) must not cut this line
             signal.signal(signum, ignore)
         signum = interrupt.args[0] if isinstance(interrupt, Stopped) else signal.SIGINT
-        unfinished = "unfinished; no file half-written"
-        message = f"q_learning_gridworld.py: stopped by {SIGNALS[signum]}, {unfinished}"
-        print(message, file=sys.stderr, flush=True)
+        message = f"stopped by {SIGNALS[signum]}, unfinished; no file half-written"
+        print(f"q_learning_gridworld.py: {message}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(128 + signum)  # now: not after the compiled call still running in the background
     finally:  # the run has ended: in JAX's clean-up at exit, a signal has its default effect
