@@ -1013,8 +1013,9 @@ def set_aside(path: Path) -> Path:
 
 @contextlib.contextmanager
 def replacing(folder: Path):
-    """Writes a run over a previous run's files (--overwrite), set aside (no space needed) until
-    the new run is written whole, put back as they were if a write fails (a full disk, say)."""
+    """Writes a run over a previous run's files alone (--overwrite: a file put there meanwhile
+    stays), set aside (no space needed) until the new run is written whole, put back as they
+    were if a write fails (a full disk, say)."""
     paths, moved, started = [folder / name for name in RUN_NAMES], [], False
     try:
         for path in paths:  # first what a write cut short (a crash) left
@@ -1043,8 +1044,9 @@ def replacing(folder: Path):
 
 def check_backend() -> None:
     """One line, before any work, for a JAX_PLATFORMS or XLA_FLAGS that leaves JAX no device
-    (else a traceback at its first use) and for JAX_DISABLE_JIT (a run would take hours). JAX
-    drops what a plugin's initialize() raises, a signal's too: a signal waits until it is done."""
+    (else a traceback at its first use) and for JAX_DISABLE_JIT (a run would take hours). That
+    first use loads JAX's plugins, and JAX drops what their initialize() raises, a signal's
+    exception too: a signal waits until it is done."""
     if jax.config.jax_disable_jit:  # JAX_DISABLE_JIT=1, or main() under jax.disable_jit()
         fail(
             "JAX_DISABLE_JIT: the command line runs compiled only; to step through train(), call "
