@@ -477,8 +477,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 BOOTSTRAP_SAMPLES = 2_000
-# On a CPU, seeds vmapped 16 at a time, batch after batch, stay in cache: faster than all
-# of a device's seeds at once (measured: see README). A GPU wants every seed at once.
+# A CPU's seeds, vmapped 16 at a time, stay in cache: faster than all at once (README); a GPU's not.
 CPU_SEEDS_PER_BATCH = 16
 # Gymnasium's reward_threshold for the ids it registers too (gymnasium/envs/__init__.py). A
 # table rather than gymnasium.spec(id): running the script does not need gymnasium installed.
@@ -487,8 +486,7 @@ SOME_ENVS = "cartpole, gymnax, gymnax:Acrobot-v1, gymnax:MountainCar-v0, gymnax:
 # A million agents of the default config hold ~280 GiB (memory_need), more than a GPU has.
 MAX_GRID_POINTS = 1_000_000
 MOST_ROWS = 40  # of the sweep's figure: its best and worst 20 grid points
-# The values the update rule can use. The command line checks every grid point's: HParams are
-# data, which train() takes as they come.
+# The values the update rule can use, checked for every grid point: train() takes HParams as data.
 HPARAM_RULES = {
     "learning_rate": (lambda x: 0 < x < math.inf, "must be > 0 and finite"),
     "gamma": (lambda x: 0 <= x < 1, "must be in [0, 1)"),
@@ -501,8 +499,7 @@ HPARAM_RULES = {
 
 
 def wait(tree):
-    """jax.block_until_ready that keeps Python responsive meanwhile: a Ctrl-C or SIGTERM is
-    handled within 0.1 s, not only when the compiled call returns."""
+    """jax.block_until_ready, but a Ctrl-C or SIGTERM is handled within 0.1 s, not at its end."""
     for leaf in jax.tree.leaves(tree):
         while not leaf.is_ready():
             time.sleep(0.05)
@@ -545,9 +542,8 @@ def make_env(env: str):
 
 
 def grid_points(lists: dict[str, tuple[float, ...]]) -> list[dict[str, float]]:
-    """Every combination of the hyperparameter lists, the first flag changing slowest;
-    ValueError('--flag problem') for a value the update rule cannot use, or for more than
-    MAX_GRID_POINTS (built as Python objects before check_memory sees them)."""
+    """Every combination of the lists, the first flag changing slowest; ValueError('--flag
+    problem') for a value the update rule cannot use, or for more than MAX_GRID_POINTS."""
     if (count := math.prod(len(values) for values in lists.values())) > MAX_GRID_POINTS:
         longest = max(lists, key=lambda name: len(lists[name]))
         raise ValueError(f"{flag(longest)}: the lists make {count:,} grid points (the product of "
@@ -583,10 +579,9 @@ class SeedPlan(NamedTuple):
 
 
 def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int], dict]:
-    """(A generous estimate of the device memory one seed's `train` needs, in bytes, by the flag
-    that drives each part, so that a refusal names the largest; the bytes every agent holds from
-    block to block: its training state and metrics, thrice (a block's carry in and out, and the
-    host's copy; measured: see README))."""
+    """(A generous estimate of the device bytes one seed's `train` needs, by the flag that drives
+    each part: a refusal names the largest; the bytes every agent holds from block to block).
+    The latter thrice: a block's carry in and out, and the host's copy (measured: see README)."""
     obs = jax.eval_shape(env.reset, jax.random.key(0))[0]
     params = jax.tree.leaves(jax.eval_shape(network.init, jax.random.key(0), obs))
     num_params, widths = sum(x.size for x in params), config.hidden_sizes
@@ -600,8 +595,7 @@ def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int],
         "--eval-episodes": 4 * config.eval_episodes * (max(widths) + obs.size),  # evaluation
         "--total-timesteps": num_metrics,
     }
-    # An update's activations grow with the batch and the widths: named after the one further
-    # above its default, so that a refusal names the flag to lower.
+    # An update's activations (batch x widths), named after the one further above its default.
     default = Config()
     wide = sum(widths) / sum(default.hidden_sizes) > config.batch_size / default.batch_size
     name = "--hidden-sizes" if wide else "--batch-size"
@@ -611,18 +605,15 @@ def memory_need(config: Config, env, network: QNetwork) -> tuple[dict[str, int],
         "--buffer-size": buffer_words,
         "--total-timesteps": num_metrics,
     }
-    # In bytes (4-byte words): each need x2 for the temporaries XLA keeps beside the loop, what
-    # every agent holds x3 (above).
+    # In bytes (4-byte words), x2 for the temporaries XLA keeps beside the loop; held x3 (above).
     need = {name: 2 * 4 * count for name, count in words.items()}
     return need, {name: 3 * 4 * count for name, count in held.items()}
 
 
 def check_memory(terms: dict[str, int], held: dict[str, int], num_agents: int) -> SeedPlan:
     """The seed plan (plan_seeds), or a MemoryError naming the flag to change, before any work:
-    when one seed's training does not fit in half a device's free memory (the flag of its
-    largest part), or what every agent the plan trains, its padding ones too, holds from block
-    to block (memory_need), saved to this host at each checkpoint, does not fit in half its free
-    memory (--num-seeds, or the largest part of an agent's state when the seeds asked for fit)."""
+    one seed's training must fit in half a device's free memory, and what every agent trained,
+    padding ones too, holds from block to block (saved on this host) in half the host's."""
     available = bytes_available(jax.local_devices()[0])
     need = sum(terms.values())
     if need > available // 2:
@@ -699,11 +690,10 @@ def cgroup_folders(proc: Path, root: Path):
 
 def plan_seeds(num_agents: int, need: int, platform=None) -> SeedPlan:
     """Pad the agents to a multiple of the device count; batch them when they do not fit. On a
-    CPU, always batches of CPU_SEEDS_PER_BATCH (or what fits), the agents padded to whole
-    batches, two at least a device (XLA compiles a single batch without the loop around it, and
-    rounds differently): seed i then runs in the same lane of the same loop whatever
-    --num-seeds is, so its results are bit for bit the same. `platform` other than "cpu" gives
-    the GPU layout, which a test runs on a CPU. MemoryError when not even one agent fits."""
+    CPU, whole batches of CPU_SEEDS_PER_BATCH (or what fits), two at least a device (XLA compiles
+    one batch without the loop, and rounds differently): seed i then runs in the same lane of the
+    same loop, bit for bit the same whatever --num-seeds. `platform` other than "cpu": the GPU
+    layout (a test runs it on a CPU). MemoryError when not even one agent fits."""
     devices = jax.devices()  # of every process in a cluster
     available = bytes_available(jax.local_devices()[0])
     fits = available // 2 // need  # half of it, as check_memory
@@ -724,13 +714,11 @@ def plan_seeds(num_agents: int, need: int, platform=None) -> SeedPlan:
 def train_agents(config: Config, env, network, seed: int, grid: HParams, plan: SeedPlan,
                  start=None, timings=None):  # fmt: skip
     """Trains every agent (grid point x seed) with the reference's init and run_blocks, one
-    evaluation block at a time, sharded over every device; after each block, yields (blocks
-    done, carry, metrics so far), so that the caller can save the run or stop it. `start`,
-    load_checkpoint's (blocks done, carry leaves, metrics), resumes. Agent a trains grid point
-    a // num_seeds on seed i = a % num_seeds, key fold_in(key(seed), i): every grid point gets the
-    same seeds' keys, on purpose (common random numbers: a difference between points is not the
-    luck of the draw).
-    `timings`, a dict if given, gets the compile and training seconds."""
+    evaluation block at a time, sharded over every device, yielding (blocks done, carry, metrics
+    so far) after each: the caller saves or stops. `start` (load_checkpoint's) resumes; `timings`
+    gets the compile and training seconds. Agent a trains grid point a // num_seeds with key
+    fold_in(key(seed), a % num_seeds): every grid point gets the same keys, on purpose (common
+    random numbers: a difference between points is not the luck of the draw)."""
     timings = {} if timings is None else timings
     mesh, spec = Mesh(np.array(jax.devices()), ("seeds",)), PartitionSpec("seeds")
     init, run_blocks = make_blocks(config, env, network)
@@ -742,10 +730,9 @@ def train_agents(config: Config, env, network, seed: int, grid: HParams, plan: S
         point = jnp.minimum(agent // config.num_seeds, len(grid.gamma) - 1)
         return keys, jax.tree.map(lambda x: x[point], grid)
 
-    # Each device runs its own agents, seeds_per_batch at once (vmapped), the batches one after
-    # another (lax.map). shard_map, not a vmap over a devices axis left to the partitioner, which
-    # ran the batches at half the speed (measured: see README). check_vma=False: train starts
-    # from constants, which shard_map's type check would want marked as varying per device.
+    # Each device runs its agents seeds_per_batch at once (vmap), batch after batch (lax.map).
+    # shard_map: a vmap over devices left to the partitioner ran at half the speed (README).
+    # check_vma=False: train starts from constants, which shard_map would want marked varying.
     def on_devices(fn, in_specs):
         def per_device(*args):
             agents, shared = args[:2], args[2:]  # shared: the same for every agent
@@ -759,8 +746,7 @@ def train_agents(config: Config, env, network, seed: int, grid: HParams, plan: S
     shapes = jax.eval_shape(init_all, keys, hparams)[0]  # every agent's carry
     done = 0 if start is None else start[0]
     blocks = [(b, steps) for first, n, steps in config.blocks for b in range(first, first + n)]
-    # Programs compiled one after the other: side by side on two cores they took longer. init
-    # runs (dispatched, not awaited) while the block programs compile.
+    # Compiled one after the other (side by side on two cores: slower); init runs meanwhile.
     if start is None:
         carry, metrics = init_all(keys, hparams)
     else:  # a checkpoint's agents, padded anew (repeating the last real one) for this layout
@@ -893,9 +879,8 @@ def scores(final: np.ndarray, solved: float | None, seed: int) -> dict:
 
 
 def training_scores(returns: np.ndarray, steps: np.ndarray, solved, seed: int) -> dict:
-    """scores() of the last evaluation, with the run behind it: the best evaluation along the way
-    (beside the final one, never instead of it) and the IQM learning curve. returns: [seeds,
-    evals]."""
+    """scores() of the last evaluation of `returns` [seeds, evals], with the best one along the
+    way (beside the final one, never instead of it) and the IQM learning curve."""
     best = returns.max(axis=1)
     curve = zip(("iqm", "ci95_low", "ci95_high"), bootstrap_iqm(returns, seed), strict=True)
     return {
@@ -965,9 +950,8 @@ CURVES = ("step", "eval_return", "train_return", "loss")  # curves.csv's columns
 @contextlib.contextmanager
 def atomic_open(path: Path, mode: str = "w", fatal: bool = True, together: list | None = None):
     """Write to a temporary name beside path, then rename: no reader sees half a file. Given
-    `together`, the files written before, the rename waits for rename_all(together): files
-    written one after another appear all or none. A write that fails (a full disk, say) ends the
-    script with one line, or raises its OSError if not `fatal`; no temporary file stays."""
+    `together`, the rename waits for rename_all(together): the files appear all or none. A failed
+    write ends the script with one line (or raises if not `fatal`); no temporary file stays."""
     pending = [] if together is None else together
     try:  # a new file: one at that name could be a link, and writing through it writes elsewhere
         temporary(path).unlink(missing_ok=True)
@@ -993,15 +977,13 @@ def rename_all(paths: list[Path]) -> None:
 
 
 def temporary(path: Path) -> Path:
-    """Where a file is written before it is renamed to `path` (the suffix last: a writer may
-    pick the format by it)."""
+    """Where `path` is written before its rename (the suffix last: writers pick formats by it)."""
     return path.with_name(f".{path.stem}.tmp{path.suffix}")
 
 
 @contextlib.contextmanager
 def signals_held():
-    """Ctrl-C, SIGTERM and SIGHUP wait until the block is done; yields the list of those that
-    came meanwhile."""
+    """Ctrl-C, SIGTERM and SIGHUP wait until the block is done; yields those that came meanwhile."""
     caught = []
     held = {signum: signal.signal(signum, lambda n, _: caught.append(n)) for signum in catchable()}
     try:
@@ -1017,16 +999,14 @@ def written_whole():
     then ends the script, as does one whose exception was dropped earlier (RECEIVED)."""
     with signals_held() as caught:
         yield
-    caught = RECEIVED + caught  # stop() took one, yet the run is here: its exception was dropped
-    if caught:
+    if caught := RECEIVED + caught:  # RECEIVED: stop() took one, yet its exception was dropped
         print(f"dqn_cartpole.py: stopped by {SIGNALS[caught[0]]} once the run was written whole",
               file=sys.stderr)  # fmt: skip
         sys.exit(128 + caught[0])
 
 
 def catchable() -> list[int]:
-    """SIGNALS but those ignored (nohup starts the script with SIGHUP ignored): those stay
-    ignored."""
+    """SIGNALS but those ignored (nohup's SIGHUP, say): those stay ignored."""
     return [signum for signum in SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
@@ -1045,11 +1025,9 @@ def write_json(path: Path, summary: dict, together: list | None = None) -> None:
 
 
 def save_run(output: Path, summary: dict, points: list, out: dict) -> None:
-    """RUN_FILES: the summary; curves.csv, one row per grid point x seed x evaluation (a swept
-    hyperparameter's column first, an empty cell where a value is NaN: no finished episode or
-    no update in that block); the final params of every agent. The figures come from these.
-    All three or none: a full disk half way left the new summary beside a stopped run's params
-    (--resume), or a summary alone (a new run)."""
+    """RUN_FILES, all three or none: the summary; curves.csv, a row per grid point x seed x
+    evaluation (swept hyperparameters first, an empty cell for NaN: no finished episode or no
+    update in that block); every agent's final params. The figures come from these."""
     written = []  # renamed together once all are written
     write_json(output / "summary.json", summary, written)
     swept = [name for name in HParams._fields if len({p[name] for p in points}) > 1]
@@ -1068,10 +1046,9 @@ def save_run(output: Path, summary: dict, points: list, out: dict) -> None:
 
 
 def save_checkpoint(output: Path, run: dict, done: int, carry, metrics) -> None:
-    """CHECKPOINT: the whole training state of every agent after `done` blocks (params, target,
-    optimizer, buffer, environment, keys), the metrics so far, and the `run` (config, grid points,
-    solved return, cadence, render, x64), in one file written atomically: all --resume needs. A
-    write that fails raises its OSError (the caller says whether the run goes on)."""
+    """CHECKPOINT, written atomically: all --resume needs (every agent's training state after
+    `done` blocks, the metrics so far, the `run`: config, grid points and settings). A write that
+    fails raises its OSError (the caller says whether the run goes on)."""
     carry = gather(carry._replace(key=jax.random.key_data(carry.key)))  # every process joins
     if jax.process_index() > 0:
         return
@@ -1089,8 +1066,7 @@ def describe(error: Exception) -> str:
 
 @contextlib.contextmanager
 def reading(path: Path):
-    """Reading a saved file (-> its path): whatever is wrong with it (damaged, hand-edited) is
-    one ValueError that names it."""
+    """Reading a saved file (-> its path): whatever is wrong with it is a ValueError naming it."""
     try:
         yield path
     except FileNotFoundError:  # its own words would spell the whole path, with an [Errno 2]
@@ -1100,10 +1076,9 @@ def reading(path: Path):
 
 
 def saved_config(saved: dict) -> Config:
-    """The Config of a run's summary.json or checkpoint. A value whose type is not its field's
-    (hand-edited: a width of 16.0, a float step count) is a ValueError here, not a traceback
-    later, and so is a setting left out (its default may not be the run's); JSON keeps a tuple
-    as a list and may keep a float as an int."""
+    """The Config of a run's summary.json or checkpoint; ValueError for a setting left out (its
+    default may not be the run's) or of another type than its field's (hand-edited: a width of
+    16.0). JSON keeps a tuple as a list and may keep a float as an int."""
     defaults = {field.name: field.default for field in dataclasses.fields(Config)}
     for name, value in saved.items():
         if name not in defaults:  # a gridworld run's "layout", say
@@ -1124,8 +1099,7 @@ def saved_config(saved: dict) -> Config:
 
 def check_points(points: list, config: Config) -> None:
     """ValueError unless `points` are a saved run's grid points: one number a hyperparameter,
-    each a value the update rule can use, no two alike, and the first its config's own (as
-    parse_command builds them)."""
+    each valid (grid_points), no two alike, the first its config's own (as parse_command's)."""
     for point in points:
         kinds = {name: type(value) for name, value in point.items()}
         if kinds.keys() != set(HParams._fields) or not set(kinds.values()) <= {int, float}:
@@ -1216,8 +1190,7 @@ def read_curves(path: Path, points: list, num_seeds: int, steps: np.ndarray) -> 
     the summary's grid points x seeds in order, each at the run's evaluation `steps`, a swept
     hyperparameter's column its grid point's value."""
     shape = (len(points), num_seeds, len(steps))
-    # utf-8-sig: a byte-order mark (a spreadsheet's save) is no part of the first column's name;
-    # blank lines are skipped, as csv.DictReader does
+    # utf-8-sig: no spreadsheet byte-order mark in the first name; blank lines skipped (DictReader)
     with reading(path), open(path, encoding="utf-8-sig") as file:
         numbered = [(number, line) for number, line in enumerate(csv.reader(file), 1) if line]
         header = numbered[0][1] if numbered else []
@@ -1253,6 +1226,8 @@ def read_curves(path: Path, points: list, num_seeds: int, steps: np.ndarray) -> 
 def plot_run(output: Path) -> Path:
     """learning_curves.png (one configuration) or sweep.png, from the saved files alone, once
     they agree: the summary's grid points and final returns are curves.csv's."""
+    import matplotlib.pyplot as plt
+
     with reading(output / "summary.json") as path:  # what reading curves.csv needs of it
         summary = json.loads(path.read_text())
         config, done = saved_config(summary["config"]), saved_steps(summary)
@@ -1278,7 +1253,9 @@ def plot_run(output: Path) -> Path:
         else:
             path = output / "learning_curves.png"
             fig = plot_learning_curves(curves, summary, solved, title)
-    save_figure(fig, path)
+    with atomic_open(path, "wb") as file:
+        fig.savefig(file, format="png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
     return path
 
 
@@ -1292,19 +1269,10 @@ def saved_steps(summary: dict) -> int:
     return done
 
 
-def save_figure(fig, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    with atomic_open(path, "wb") as file:
-        fig.savefig(file, format="png", dpi=120, bbox_inches="tight")
-    plt.close(fig)
-
-
 def plot_learning_curves(curves: dict, result: dict, solved, title: str):
-    """The solved share over training with its 95% Wilson band (when a solved return is known);
-    every seed's greedy return with the IQM and its 95% bootstrap CI (the CI only from 10
-    seeds on: below that the seeds themselves say more); the final returns' histogram, so that
-    the seeds that fail are seen."""
+    """The solved share over training with its 95% Wilson band (given a solved return); every
+    seed's greedy return, with the IQM and its 95% bootstrap CI from 10 seeds on (below, the
+    seeds say more); the final returns' histogram, where the seeds that fail are seen."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
@@ -1372,10 +1340,9 @@ def point_labels(points: list[dict]) -> list[str]:
 
 
 def plot_sweep(labels: list, results: list, solved, title: str):
-    """One row per grid point, best on top: each seed's final greedy return a dot, the IQM and
-    its 95% CI a bar. Rows labelled with their values, not colours: readable at any grid size.
-    Beyond MOST_ROWS grid points, the best and the worst half of that (a row each made 3,000
-    points a figure 111,000 pixels tall, and a larger sweep one Agg cannot draw)."""
+    """One row per grid point, best on top, labelled with its values: each seed's final greedy
+    return a dot, the IQM and its 95% CI a bar. Beyond MOST_ROWS grid points, the best and the
+    worst half of that (a row each for 3,000 points: a figure 111,000 pixels tall)."""
     import matplotlib.pyplot as plt
 
     order, jitter = ranked(results), np.random.default_rng(0)
@@ -1443,15 +1410,12 @@ def read_knock(connection: socket.socket) -> tuple[int, int] | None:
     """(process id, --num-processes) that a knock on the probe sends within a second, or None
     for any other connection (the JAX client of a process that has knocked, say)."""
     line, end = b"", time.monotonic() + 1  # a second in all, however slowly the bytes come
-    with connection:
-        try:
-            while b"\n" not in line and len(line) < 100 and time.monotonic() < end:
-                connection.settimeout(max(end - time.monotonic(), 1e-3))
-                if not (more := connection.recv(100)):
-                    break
-                line += more
-        except OSError:  # said nothing more within the second
-            pass
+    with connection, contextlib.suppress(OSError):  # OSError: said nothing more within the second
+        while b"\n" not in line and len(line) < 100 and time.monotonic() < end:
+            connection.settimeout(max(end - time.monotonic(), 1e-3))
+            if not (more := connection.recv(100)):
+                break
+            line += more
     words = line.partition(b"\n")[0].decode(errors="replace").split()
     numbers = words[1:] if len(words) == 3 and words[0] == KNOCK else []
     if not numbers or not all(n.isascii() and n.isdigit() for n in numbers):
@@ -1520,10 +1484,9 @@ def check_coordinator(address: str, process_id: int, num_processes: int, timeout
 
 
 def join_cluster(args) -> None:
-    """Make the processes of a run one JAX cluster, before anything touches a device: from the
-    flags, or with none of them by JAX's own detection when a SLURM or Open MPI job of several
-    tasks is found. Then jax.devices() lists every process's devices and the seeds are sharded
-    over all of them. Processes other than 0 print nothing to stdout and write nothing."""
+    """Make the processes of a run one JAX cluster before anything touches a device: from the
+    flags, or without them by JAX's own detection in a SLURM or Open MPI job of several tasks.
+    jax.devices() then lists every process's devices, and the seeds are sharded over all."""
     flags = (args.coordinator_address, args.num_processes, args.process_id)
     if not 1 <= args.cluster_timeout < 2**31:  # False for NaN; JAX takes int32 seconds
         raise ValueError(
@@ -1572,12 +1535,9 @@ def join_cluster(args) -> None:
 
 def check_same_flags(config: Config, points: list, modes: dict) -> None:
     """ValueError naming a flag or setting whose value differs between the processes of a
-    cluster: each would train its share of the agents with its own value (or JAX abort on another
-    shape, or gloo on another dtype). `modes` first: --resume (the blocks done) or --load given to
-    some processes only made them wait for each other's programs, for ever, deaf to signals; a
-    --checkpoint-every of some only, gather for a checkpoint that the others never write. First,
-    the number of devices of each process: gather lays them out [processes, devices], so with
-    other numbers no gather can run (it failed, blaming the other process)."""
+    cluster, where each would train with its own value, abort (shapes, dtypes) or wait for ever
+    (`modes`: --resume, --load, --checkpoint-every in some only). First, each process's device
+    count: gather lays them out [processes, devices], and no gather runs with other numbers."""
     devices = Counter(device.process_index for device in jax.devices())  # of each process
     if len(set(devices.values())) > 1:
         coordinator_ends_last()  # whose sync fails at once too: what stays is process 0's wait
@@ -1634,10 +1594,9 @@ def shown(value) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """One --flag per Config field, its help from the field, its default shown as typed; a
-    flag left out parses as None (parse_command fills in the Config's default, or the --load
-    run's own). Its errors are ValueErrors, which main prints as one line (argparse's own
-    would add the whole usage)."""
+    """One --flag per Config field, its help from the field; a flag left out parses as None
+    (parse_command fills in the default, or the saved run's own). Its errors are ValueErrors,
+    which main prints as one line (argparse's would add the whole usage)."""
     sweep_flags = ", ".join(flag(name) for name in HParams._fields)
     epilog = (
         f"Sweeps: {sweep_flags} each take a comma-separated list. Every combination (the first "
@@ -1646,9 +1605,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a difference between grid points is not the luck of the draw."
     )
     parser = argparse.ArgumentParser(
-        prog="dqn_cartpole.py",
-        description=__doc__.splitlines()[0],
-        epilog=epilog,
+        prog="dqn_cartpole.py", description=__doc__.splitlines()[0], epilog=epilog
     )
 
     def error(message: str):
@@ -1742,10 +1699,9 @@ def check_params(params, network: QNetwork, env, folder: str, agents: int) -> No
     obs = jax.eval_shape(env.reset, jax.random.key(0))[0]
     shapes = jax.eval_shape(network.init, jax.random.key(0), obs)
     wanted = jax.tree.map(lambda x: (x.shape, x.dtype), shapes)
-    try:  # keys of two types (1 and "params") are no pytree: JAX cannot sort them
+    saved = None  # where keys of two types (1 and "params") make no pytree: JAX cannot sort them
+    with contextlib.suppress(TypeError, ValueError):
         saved = jax.tree.map(lambda x: (np.shape(x)[1:], np.asarray(x).dtype), params)
-    except (TypeError, ValueError):
-        saved = None
     if wanted != saved:  # a dict of the same names and (shape, dtype) pairs
         raise ValueError(f"--load {folder}: its params.msgpack is not its own env's and network's")
     if {len(x) for x in jax.tree.leaves(params)} != {agents}:
@@ -1753,10 +1709,9 @@ def check_params(params, network: QNetwork, env, folder: str, agents: int) -> No
 
 
 def load_evaluation(config: Config, env, network: QNetwork, params):
-    """--load's evaluation, compiled: fresh greedy episodes of every agent at once, seed i of
-    each grid point playing split(key(seed))[i] -> a function that runs it, to the mean returns.
-    MemoryError naming --eval-episodes, before it runs, when the memory XLA counts for it is
-    over half a device's free memory (it was an out-of-memory traceback)."""
+    """--load's evaluation, compiled, -> a function that runs it, to the mean returns: fresh
+    greedy episodes of every agent at once, seed i of each grid point on split(key(seed))[i].
+    MemoryError naming --eval-episodes when XLA counts more than half a device's free memory."""
     play = partial(greedy_episodes, env=env, network=network, num_episodes=config.eval_episodes)
     agents = jax.tree.leaves(params)[0].shape[0]  # seed i of every grid point plays key i:
     keys = jax.random.split(jax.random.key(config.seed), config.num_seeds)  # common numbers
@@ -1793,11 +1748,10 @@ def plural(n: int, word: str) -> str:
 
 
 class StopRequest:
-    """While training, Ctrl-C, SIGTERM or SIGHUP (a closed terminal) asks to stop: the block in
-    progress ends, the run so far is saved with a checkpoint, and the script exits 128 + the
-    signal (130, 143, 129); a second Ctrl-C stops at once, but in a process that its watcher
-    runs (other than 0 of a cluster): a scheduler that signals every process of a job (Slurm's
-    srun on a Ctrl-C) reaches it twice, directly and passed on, and that is one request."""
+    """While training, Ctrl-C, SIGTERM or SIGHUP asks to stop: the block in progress ends, the
+    run so far is saved with a checkpoint, and the script exits 128 + the signal. A second Ctrl-C
+    stops at once, but in a watched process (other than 0 of a cluster): a scheduler's signal
+    (Slurm's srun on a Ctrl-C) reaches it twice, directly and passed on, as one request."""
 
     def __enter__(self):
         self.signum = None
@@ -1831,10 +1785,9 @@ class StopRequest:
 
 def checkpoint_or_warn(output: Path, run: dict, done: int, carry, metrics: dict,
                        say: Callable, stopping: bool) -> bool:  # fmt: skip
-    """save_checkpoint -> whether it was written. One that cannot be written (a full disk, a file
-    size limit) does not end the run: the trained agents are worth more, and its final files are
-    far smaller (no replay buffers, target networks or optimizer states). For a stop, they are
-    written as they stand, without a checkpoint to go on from."""
+    """save_checkpoint -> whether it was written. One that cannot be (a full disk) does not end
+    the run: the trained agents are worth more, and its final files are far smaller (no replay
+    buffers or optimizer states). For a stop, those are written without a checkpoint."""
     try:
         with writing(output):
             save_checkpoint(output, run, done, carry, metrics)
@@ -1851,8 +1804,7 @@ def run_training(config, points, env, network, plan, environment, output, checkp
                  start=None, render=False):  # fmt: skip
     """Train every agent (grid point x seed), saving a checkpoint every `checkpoint_every` steps
     (0: never) and when asked to stop -> (output, padding dropped; timings; the signal that
-    stopped the run early, or None). `render`: the run draws render.gif as it ends (its
-    checkpoint says so to --resume)."""
+    stopped the run early, or None). `render` goes into the checkpoint, for --resume."""
     grid, num_points = hparam_grid(points), len(points)
     num_agents = num_points * config.num_seeds
     devices = plural(plan.num_devices, jax.devices()[0].platform + " device")
@@ -1862,8 +1814,7 @@ def run_training(config, points, env, network, plan, environment, output, checkp
     first = due_from = written = 0 if start is None else int(start[2]["step"][0, -1])
     run = {"config": dataclasses.asdict(config), "points": points}
     run |= {"solved_return": environment["solved_return"], "checkpoint_every": checkpoint_every}
-    run["render"] = render
-    run["jax_enable_x64"] = jax.config.jax_enable_x64  # its arrays' dtypes follow it
+    run |= {"render": render, "jax_enable_x64": jax.config.jax_enable_x64}  # x64: arrays' dtypes
     timings = {"checkpoint_time_s": 0.0}
     # Before the first line: a signal stops the run as asked from the moment one can see it run
     # (main holds one that comes before, and stops the run once it is written).
@@ -1914,10 +1865,9 @@ def run_training(config, points, env, network, plan, environment, output, checkp
 
 def parse_command(argv: list[str] | None):
     """(args, Config, grid points, saved params or None, checkpoint or None) from the command
-    line. A flag left out takes the Config's default; --load takes the saved run's config and
-    grid points, but for how to evaluate (seed, episodes, folder, its env by another name);
-    --resume takes the whole run from its checkpoint; a sweep's Config holds its first grid
-    point. ValueError('--flag problem') for a bad input."""
+    line; ValueError('--flag problem') for a bad input. --load takes the saved run's config and
+    grid points but for how to evaluate; --resume takes the whole run from its checkpoint; a
+    sweep's Config holds its first grid point."""
     args = build_parser().parse_args(argv)
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)}
     given = {name: value for name, value in given.items() if value is not None}
@@ -1928,9 +1878,7 @@ def parse_command(argv: list[str] | None):
             raise ValueError(f"--{name} must name a run's folder")
     if args.solved_return is not None and not abs(args.solved_return) < 3.4e38:  # NaN too
         raise ValueError("--solved-return must be below 3.4e38 in size (a float32)")
-    # --replot, --resume and --load take the saved run as it is: no other flag may change it.
-    # --resume may say how often to save, and how the processes of a cluster meet; --load how
-    # to evaluate, and the run's env, network and seeds again (they must agree).
+    # --replot, --resume and --load take the saved run as it is: only the `free` flags may change.
     parser = build_parser()
     parser.set_defaults(**dict.fromkeys(vars(args)))  # None: left out (a given flag never is)
     others = [flag(name) for name, x in vars(parser.parse_args(argv)).items() if x is not None]
@@ -1977,10 +1925,9 @@ def parse_command(argv: list[str] | None):
 
 
 def run_folder(template: str, overwrite: bool) -> str:
-    """The run's folder, checked (a `{time}` name is new: make_folder picks it). A folder named
-    outright that already holds files is refused, unless --overwrite, which replaces what a run
-    wrote there (see replacing) and refuses a folder that holds anything else (a folder, a
-    file of another name). ValueError('--flag ...')."""
+    """The run's folder, checked (a `{time}` name is new: make_folder picks it); ValueError for
+    one named outright that holds files, unless --overwrite, which replaces a run's files there
+    (replacing) and refuses a folder that holds anything else."""
     if not template:  # "" would write into the current folder
         raise ValueError("--output-dir must name a folder, not be empty")
     given = f"--output-dir {template}"
@@ -2022,10 +1969,9 @@ RESUMING = []  # the folder a --resume goes on in, from its reading: locked late
 
 
 def make_folder(folder: str) -> Path:
-    """Make the run's folder and lock it. `{time}` becomes the start time, then _2, _3 while
-    another run holds that name: mkdir is atomic, so two runs started in the same second never
-    share one. A folder named outright is an OSError if another running run has locked it, or
-    if a run that has ended wrote there since run_folder found it empty."""
+    """Make the run's folder and lock it. `{time}` becomes the start time, then _2, _3 (mkdir is
+    atomic: two runs started in the same second never share one). OSError for a folder named
+    outright that a running run has locked, or a run has written in since run_folder looked."""
     path, stamp = Path(folder), time.strftime("%Y-%m-%d_%H-%M-%S")
     new = [p for p in Path(folder.replace("{time}", stamp)).parents if not p.exists()]
     made = "{time}" in folder or not path.exists()  # a folder of the user's stays theirs
@@ -2065,8 +2011,7 @@ def set_aside(path: Path) -> Path:
 
 
 def run_paths(folder: Path, names: tuple[str, ...] = RUN_NAMES) -> list[Path]:
-    """Every path a run writes in `folder`: its files, each also where it is written first
-    (temporary) and where --overwrite keeps it while the new run is written (set_aside)."""
+    """Every path a run writes in `folder`: its files, also at their temporary and aside names."""
     return [f(folder / name) for name in names for f in (Path, temporary, set_aside)]
 
 
@@ -2091,7 +2036,7 @@ def replacing(folder: Path):
             path.unlink(missing_ok=True)  # the new run's
             if set_aside(path).exists():
                 os.replace(set_aside(path), path)
-        if isinstance(error, OSError) and not started:  # it was a traceback
+        if isinstance(error, OSError) and not started:
             reason, stuck = error.strerror or error, error.filename or stuck  # as the OS names it
             fail(f"--overwrite: cannot set {stuck} aside ({reason}); the run there stays as it "
                  "was, and this one is not written", status=1)  # fmt: skip
@@ -2105,9 +2050,8 @@ TO_REPLACE = set()  # folders whose previous run (--overwrite) this run has not 
 
 @contextlib.contextmanager
 def writing(folder: Path):
-    """The context of a run's writes into its folder. The first replaces a previous run there
-    (--overwrite), which stays as it was until then: a run that ends before it saves anything
-    (an error, Ctrl-C twice, a kill) leaves it."""
+    """A run's writes into its folder: the first replaces a previous run there (--overwrite),
+    which stays until then (a run that ends before it saves anything leaves it)."""
     if folder not in TO_REPLACE:
         yield
         return
@@ -2117,11 +2061,10 @@ def writing(folder: Path):
 
 
 def check_backend() -> None:
-    """JAX_PLATFORMS naming a platform this machine lacks, or XLA_FLAGS asking for no CPU device,
-    fails at JAX's first use of a device, with a traceback: one line instead, before any work; so
-    does JAX_DISABLE_JIT, with which a run takes hours (or a traceback, a scan of 0 blocks).
-    That first use loads JAX's plugins (jax[cuda]'s loads CUDA's libraries), and JAX drops what a
-    plugin's initialize() raises, a signal's exception too: a signal waits until it is done."""
+    """One line, before any work, where JAX would fail with a traceback at its first use of a
+    device (JAX_PLATFORMS naming a platform this machine lacks, XLA_FLAGS asking for no CPU), or
+    run for hours (JAX_DISABLE_JIT). That first use loads JAX's plugins, which drop a signal's
+    exception: a signal waits until it is done."""
     if jax.config.jax_disable_jit:  # JAX_DISABLE_JIT=1, or main() under jax.disable_jit()
         raise ValueError(
             "JAX_DISABLE_JIT: the command line runs compiled only; to step through train(), call "
@@ -2148,8 +2091,7 @@ def check_backend() -> None:
 
 
 def remove_if_empty(folder: Path) -> None:
-    """A stopped run's folder and the parents made for it, removed if nothing was written; one
-    that was there before the run stays."""
+    """A stopped run's folder and the parents made for it, if empty; one there before stays."""
     for path in MADE.get(folder.resolve(), []):
         with contextlib.suppress(OSError):  # rmdir removes only an empty folder
             path.rmdir()
@@ -2243,8 +2185,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.load:  # the saved params must be this env's and network's, one per agent
             check_params(params, network, env, args.load, len(points) * config.num_seeds)
             evaluate = load_evaluation(config, env, network, params)
-        plan = None  # --load holds no replay buffer: its run's training sizes do not apply
-        if not args.load:
+        else:  # --load holds no replay buffer: its run's training sizes do not apply
             terms, held = memory_need(config, env, network)
             plan = check_memory(terms, held, len(points) * config.num_seeds)
         if jax.process_index() == 0:  # last: a refused run leaves nothing behind
@@ -2334,16 +2275,14 @@ def stopped_unfinished(signum: int) -> str:
     unfinished = "unfinished; no file half-written"
     if any((folder / name).exists() for folder in TO_REPLACE for name in RUN_NAMES):
         unfinished += "; the run it was to replace stays"  # --overwrite: nothing written yet
-    kept = [folder for folder in [*LOCKED, *RESUMING] if (folder / CHECKPOINT).exists()]
-    if kept:
+    if kept := [folder for folder in [*LOCKED, *RESUMING] if (folder / CHECKPOINT).exists()]:
         unfinished += f"; its last checkpoint stays, {resume_hint(kept[0])}"
     return f"dqn_cartpole.py: stopped by {SIGNALS[signum]}, {unfinished}"
 
 
 def remove_stale(paths: list[Path]) -> None:
-    """Files that are not the saved run's beside it: one that cannot be removed (immutable, say)
-    is one line, exit 1 (it was a traceback), as the run is saved but the file would belie it (a
-    checkpoint left: --resume would train the end again)."""
+    """Files beside the saved run that are not its own: one that cannot be removed is one line,
+    exit 1: the run is saved, but the file would belie it (--resume would train the end again)."""
     for path in paths:
         try:
             path.unlink(missing_ok=True)
@@ -2397,9 +2336,8 @@ def fail(message: str, status: int = 2):
 
 
 class BestEffortStream:
-    """stdout or stderr, written while it can be: once it cannot (its reader left, `| head -1`;
-    a full disk, `> /dev/full`; a closed terminal), its lines go to /dev/null and the run goes
-    on, to be saved whole."""
+    """stdout or stderr, written while it can be: after that (`| head -1`, `> /dev/full`, a
+    closed terminal) its lines go to /dev/null, and the run goes on, to be saved whole."""
 
     def __init__(self, stream):
         if hasattr(stream, "reconfigure"):  # a folder name whose bytes its encoding cannot show
@@ -2458,10 +2396,9 @@ def ignore(signum, frame):
 
 
 def send_again(unraisable) -> None:
-    """sys.unraisablehook: Python prints and drops an exception raised in a garbage-collector
-    callback (JAX has one), a __del__ or a weakref callback, so a Ctrl-C or SIGTERM whose handler
-    ran there would be lost and the run go on. Such a signal is sent again 10 ms later, from a
-    timer, to whatever handles it then (and again if it lands in such a callback again)."""
+    """sys.unraisablehook: Python drops an exception raised in a garbage-collector callback (JAX
+    has one), a __del__ or a weakref callback, and with it a signal whose handler ran there. Such
+    a signal is sent again 10 ms later, from a timer, to whatever handles it then."""
     error = unraisable.exc_value
     if not isinstance(error, KeyboardInterrupt | Stopped):
         return sys.__unraisablehook__(unraisable)
@@ -2494,12 +2431,10 @@ def die_with_parent() -> None:
 
 
 def watch(argv: list[str]) -> int:
-    """Processes other than 0 of a cluster do their work in a child process and watch it: JAX
-    ends a process whose coordinator, process 0, has died with an abort and a C++ stack trace,
-    which this turns into one line. The child's stderr (it reports errors only) waits for its
-    end. The child has a session of its own, and each Ctrl-C, SIGTERM or SIGHUP reaches it
-    passed on from here, once, whether sent to the terminal's process group or to this pid
-    alone (a Ctrl-C or SIGHUP sent to this pid alone was ignored, and the run went on)."""
+    """Processes other than 0 of a cluster work in a child and watch it: JAX aborts a process
+    whose coordinator (process 0) died with a C++ stack trace, which this turns into one line.
+    The child's stderr (errors only) waits for its end. The child has its own session: each
+    Ctrl-C, SIGTERM or SIGHUP reaches it once, passed on from here, however it was sent."""
     child = subprocess.Popen(
         [sys.executable, __file__, *argv],
         env={**os.environ, "DQN_CARTPOLE_WATCHED": "1"},
